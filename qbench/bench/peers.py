@@ -1,0 +1,75 @@
+"""Peers measured beside qbench: transformers' ``generate`` and llama.cpp."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+def hf_cache_bytes(cache) -> int:
+    """Bytes held by a transformers cache's key/value tensors (4.x and 5.x layouts)."""
+    tensors = []
+    for layer in getattr(cache, "layers", []) or []:
+        tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+    tensors += list(getattr(cache, "key_cache", []) or []) + list(getattr(cache, "value_cache", []) or [])
+    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+
+
+def run_hf_generate(model, prompts: list[list[int]], gen_len: int, pad_id: int) -> dict:
+    """Time ``model.generate`` (greedy, exactly gen_len tokens) with a per-step timestamp hook."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    T = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=gen_len, min_new_tokens=gen_len,
+                             do_sample=False, pad_token_id=pad_id, logits_processor=LogitsProcessorList([Stamp()]),
+                             return_dict_in_generate=True)
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"prefill_s": stamps[0] - t0, "decode_s": steps, "batch": len(prompts),
+            "kv_bytes": hf_cache_bytes(getattr(out, "past_key_values", None)),
+            "tokens": out.sequences[:, T:].tolist()}
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def run_llama_cpp(gguf: Path, prompt: list[int], gen_len: int, threads: int) -> dict:
+    """Batch-1 greedy decode through llama-cpp-python on the GGUF qbench's model came from.
+
+    The prompt goes in as qbench's token ids, so both engines see the same tokens.
+    """
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + gen_len + 16, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, verbose=False)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill = time.perf_counter() - t0
+    steps, tokens = [], []
+    for _ in range(gen_len - 1):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tokens.append(tok)
+        t0 = time.perf_counter()
+        llm.eval([tok])
+        steps.append(time.perf_counter() - t0)
+    size = gguf.stat().st_size
+    llm.close()
+    return {"prefill_s": prefill, "decode_s": steps, "batch": 1, "weight_bytes": size, "tokens": tokens}

@@ -1,0 +1,204 @@
+"""Run each (backend, batch size) case in a fresh process and collect one report.
+
+A fresh process per case makes peak RSS mean something: a long-lived process only
+ever reports its all-time maximum, and its allocator keeps freed blocks (the seeds'
+memory paradox). Weight and KV bytes are counted from the tensors themselves.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import platform
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+from qbench.errors import QBenchError
+
+BACKENDS = ("qbench", "hf", "hf-generate", "llama.cpp", "nocache")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str
+    batch_sizes: tuple[int, ...] = (1, 4, 8, 16)
+    prompt_len: int = 64
+    gen_len: int = 64
+    backends: tuple[str, ...] = BACKENDS
+    nocache_batch_sizes: tuple[int, ...] = (1, 4)
+    dtype: str = "fp32"
+
+    def __post_init__(self):
+        for b in self.backends:
+            if b not in BACKENDS:
+                raise QBenchError(f"bench: unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise QBenchError("bench: --batch-sizes must be positive integers, e.g. 1,4,8,16")
+        if self.prompt_len < 1 or self.gen_len < 2:
+            raise QBenchError("bench: --prompt-len must be >= 1 and --gen-len >= 2")
+
+    @classmethod
+    def parse(cls, model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype):
+        def ints(s, name):
+            try:
+                return tuple(int(x) for x in s.split(",") if x.strip())
+            except ValueError:
+                raise QBenchError(f"bench: {name} must be a comma list of integers, got {s!r}") from None
+        return cls(model=model, batch_sizes=ints(batch_sizes, "--batch-sizes"), prompt_len=prompt_len,
+                   gen_len=gen_len, backends=tuple(b.strip() for b in backends.split(",") if b.strip()),
+                   nocache_batch_sizes=ints(nocache_batch_sizes, "--nocache-batch-sizes"), dtype=dtype)
+
+
+def summarize(raw: dict, prompt_tokens: int) -> dict:
+    steps = raw["decode_s"]
+    n = len(steps)
+    q = max(n // 4, 1)
+    ms = sorted(1000 * s for s in steps)
+    out = {
+        "prefill_tok_s": prompt_tokens / raw["prefill_s"],
+        "decode_tok_s": raw["batch"] * n / sum(steps),
+        "decode_steps": n,
+        "step_ms": {"mean": statistics.fmean(ms), "p50": ms[n // 2], "p90": ms[min(n - 1, int(0.9 * n))],
+                    "max": ms[-1]},
+        # mean step time per quarter of the run: flat when the cache works, rising without it
+        "step_ms_by_quarter": [1000 * statistics.fmean(steps[i: i + q]) for i in range(0, q * 4, q)][:4],
+    }
+    return out
+
+
+def run_case(case: dict) -> dict:
+    """Runs in a fresh process. Returns the raw measurements of one backend at one batch size."""
+    import torch
+
+    from qbench.bench.peers import hf_cache_bytes, run_hf_generate, run_llama_cpp
+    from qbench.bench.workload import bench_prompts
+    from qbench.engine.api import load_tokenizer
+    from qbench.models.registry import DTYPES, load_model
+    from qbench.models.zoo import gguf_path, resolve_model
+
+    folder = resolve_model(case["model"])
+    tok = load_tokenizer(folder)
+    B, P, G, backend = case["batch"], case["prompt_len"], case["gen_len"], case["backend"]
+    prompts = bench_prompts(tok, B, P)
+    dtype = DTYPES[case["dtype"]]
+    res: dict = {"backend": backend, "batch": B}
+    if backend in ("qbench", "nocache", "hf"):
+        from qbench.engine.engine import Engine
+        from qbench.engine.hf_backend import HFBackend, load_hf_model
+        from qbench.engine.nocache import NoCacheEngine
+        from qbench.engine.sampling import SamplingParams
+
+        if backend == "hf":
+            hf = load_hf_model(folder, dtype)
+            runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
+            res["weight_bytes"] = sum(p.nbytes for p in hf.state_dict().values())
+        else:
+            model = load_model(folder, dtype)
+            runner = Engine(model, max_batch=B) if backend == "qbench" else NoCacheEngine(model)
+            res["weight_bytes"] = model.weight_bytes()
+        warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        runner.generate(prompts, warm)
+        runner.stats.__init__()
+        seqs = runner.generate(prompts, SamplingParams(max_new_tokens=G, ignore_eos=True))
+        st = runner.stats
+        raw = {"prefill_s": sum(st.prefill_s), "decode_s": st.decode_s, "batch": B}
+        res["tokens"] = [s.output_ids for s in seqs]
+        if backend == "qbench":
+            res["kv_bytes_reserved"] = runner.pool.nbytes
+            res["kv_bytes_used"] = sum(len(s) - 1 for s in seqs) * runner.pool.bytes_per_token
+            res["kv_bytes_per_token"] = runner.pool.bytes_per_token
+        elif backend == "hf":
+            res["kv_bytes_reserved"] = res["kv_bytes_used"] = hf_cache_bytes(runner.last_cache)
+        else:
+            res["kv_bytes_reserved"] = res["kv_bytes_used"] = 0
+    elif backend == "hf-generate":
+        from qbench.engine.hf_backend import load_hf_model
+
+        hf = load_hf_model(folder, dtype)
+        res["weight_bytes"] = sum(p.nbytes for p in hf.state_dict().values())
+        pad = tok.pad_token_id or 0
+        run_hf_generate(hf, prompts, 4, pad)
+        raw = run_hf_generate(hf, prompts, G, pad)
+        res["kv_bytes_reserved"] = res["kv_bytes_used"] = raw.pop("kv_bytes")
+        res["tokens"] = raw.pop("tokens")
+    elif backend == "llama.cpp":
+        gguf = gguf_path(folder)
+        run_llama_cpp(gguf, prompts[0], 4, torch.get_num_threads())
+        raw = run_llama_cpp(gguf, prompts[0], G, torch.get_num_threads())
+        res["weight_bytes"] = raw.pop("weight_bytes")
+        res["tokens"] = [raw.pop("tokens")]
+    else:
+        raise ValueError(backend)
+    res.update(summarize(raw, B * P))
+    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return res
+
+
+def plan(cfg: BenchConfig) -> tuple[list[dict], list[str]]:
+    from qbench.bench.peers import llama_cpp_available
+    from qbench.models.zoo import gguf_path, resolve_model
+
+    folder = resolve_model(cfg.model)
+    cases, skipped = [], []
+    for backend in cfg.backends:
+        if backend == "llama.cpp":
+            if not llama_cpp_available():
+                skipped.append("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python)")
+                continue
+            if gguf_path(folder) is None:
+                skipped.append("llama.cpp: this model has no source GGUF (only zoo models do)")
+                continue
+        for b in cfg.batch_sizes:
+            if backend == "llama.cpp" and b != 1:
+                continue  # llama-cpp-python's high-level API decodes one sequence
+            if backend == "nocache" and b not in cfg.nocache_batch_sizes:
+                continue
+            cases.append({"backend": backend, "batch": b, "model": cfg.model, "prompt_len": cfg.prompt_len,
+                          "gen_len": cfg.gen_len, "dtype": cfg.dtype})
+    return cases, skipped
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict:
+    import torch
+
+    cases, skipped = plan(cfg)
+    for s in skipped:
+        log(f"skipping {s}")
+    ctx = mp.get_context("spawn")
+    results = []
+    for i, case in enumerate(cases, 1):
+        log(f"[{i}/{len(cases)}] {case['backend']} batch {case['batch']} ...")
+        with ctx.Pool(1) as pool:
+            results.append(pool.apply(run_case, (case,)))
+    _agreement(results)
+    return {
+        "config": asdict(cfg),
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "skipped": skipped,
+        "results": results,
+        "ratios": ratios(results),
+    }
+
+
+def _agreement(results: list[dict]) -> None:
+    """Record, per case, how many greedy tokens match the hf backend at the same batch size."""
+    ref = {r["batch"]: r["tokens"] for r in results if r["backend"] == "hf"}
+    for r in results:
+        toks = r.pop("tokens")
+        if r["batch"] in ref and r["backend"] != "hf":
+            pairs = [(a, b) for x, y in zip(toks, ref[r["batch"]]) for a, b in zip(x, y)]
+            r["greedy_match_vs_hf"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+
+
+def ratios(results: list[dict]) -> dict:
+    """qbench's decode tok/s over each peer's, per batch size, from this run."""
+    by = {(r["backend"], r["batch"]): r["decode_tok_s"] for r in results}
+    out = {}
+    for (backend, b), tps in by.items():
+        if backend != "qbench" and ("qbench", b) in by:
+            out[f"qbench/{backend}@{b}"] = by[("qbench", b)] / tps
+    return out

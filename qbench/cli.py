@@ -1,0 +1,142 @@
+"""The qbench command line: a thin layer over the library."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import click
+
+from qbench.errors import QBenchError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show full tracebacks.")
+@click.pass_context
+def cli(ctx, debug):
+    """qbench: quantize, run, evaluate and compare causal LMs on the CPU."""
+    ctx.obj = {"debug": debug}
+
+
+@cli.command()
+@click.argument("name")
+def pull(name):
+    """Fetch a zoo model (e.g. smollm2-135m-instruct) and convert it once, offline-ready."""
+    from qbench.models.zoo import pull as do_pull
+
+    folder = do_pull(name, log=lambda m: click.echo(m, err=True))
+    click.echo(str(folder))
+
+
+def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
+    if (prompt is None) == (prompts_file is None):
+        raise QBenchError("give exactly one of PROMPT or --prompts FILE.jsonl")
+    if prompt is not None:
+        return [{"prompt": prompt}]
+    path = Path(prompts_file)
+    if not path.is_file():
+        raise QBenchError(f"{path}: no such prompts file; give a JSONL file with one {{\"prompt\": ...}} per line")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QBenchError(f"{path}:{n}: not valid JSON ({e.msg}); each line must be {{\"prompt\": \"...\"}}") \
+                from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise QBenchError(f"{path}:{n}: missing string field \"prompt\"")
+        rows.append(row)
+    if not rows:
+        raise QBenchError(f"{path}: no prompts in the file")
+    return rows
+
+
+@cli.command()
+@click.argument("model")
+@click.argument("prompt", required=False)
+@click.option("--prompts", "prompts_file", help="JSONL file, one {\"prompt\": ...} per line.")
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the tokenizer's chat template.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 is off.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 is off.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Prompt i samples with seed + i.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--backend", default="qbench", show_default=True, type=click.Choice(["qbench", "hf", "nocache"]))
+@click.option("--dtype", default="fp32", show_default=True)
+@click.option("--batch-size", default=16, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
+def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top_k, top_p, seed, stop, backend,
+             dtype, batch_size, as_json):
+    """Generate text from MODEL (a zoo name, a local folder or a hub id)."""
+    from qbench.engine.api import Generator
+    from qbench.engine.sampling import SamplingParams
+
+    rows = _read_prompts(prompt, prompts_file)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
+                             stop=tuple(stop), seed=seed + i) for i in range(len(rows))]
+    gen = Generator(model, backend=backend, dtype=dtype, max_batch=batch_size)
+    results = gen.generate([r["prompt"] for r in rows], params, chat=chat)
+    for row, c in zip(rows, results):
+        if as_json:
+            click.echo(json.dumps({"id": row.get("id"), "prompt": c.prompt, "text": c.text, "tokens": c.token_ids,
+                                   "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.token_ids),
+                                   "finish_reason": c.finish_reason}))
+        else:
+            click.echo(c.text)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--batch-sizes", default="1,4,8,16", show_default=True)
+@click.option("--prompt-len", default=64, show_default=True, type=int)
+@click.option("--gen-len", default=64, show_default=True, type=int)
+@click.option("--backends", default="qbench,hf,hf-generate,llama.cpp,nocache", show_default=True,
+              help="Comma list; llama.cpp is skipped when llama-cpp-python is not installed.")
+@click.option("--nocache-batch-sizes", default="1,4", show_default=True,
+              help="The no-cache baseline is slow; run it only at these batch sizes.")
+@click.option("--dtype", default="fp32", show_default=True)
+@click.option("--out", "out_path", type=click.Path(), help="Write the JSON report here.")
+def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, out_path):
+    """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
+    from qbench.bench.runner import BenchConfig, run_bench
+    from qbench.bench.table import render_table
+
+    cfg = BenchConfig.parse(model=model, batch_sizes=batch_sizes, prompt_len=prompt_len, gen_len=gen_len,
+                            backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype)
+    report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
+    click.echo(render_table(report))
+    if out_path:
+        from qbench.paths import atomic_write_text
+        atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {out_path}", err=True)
+
+
+def main(argv=None):
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cli.main(args=argv, standalone_mode=False, prog_name="qbench")
+    except QBenchError as e:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"qbench: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("qbench: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("qbench: interrupted", err=True)
+        sys.exit(130)
+    except Exception as e:  # a bug: one line unless --debug
+        if debug:
+            raise
+        click.echo(f"qbench: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                   f"(rerun with --debug for the traceback)", err=True)
+        sys.exit(1)

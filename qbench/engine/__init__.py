@@ -1,0 +1,1 @@
+"""qbench's batched KV-cache engine: one concept to a file."""

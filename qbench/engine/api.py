@@ -1,0 +1,95 @@
+"""Text in, text out: resolve a model, tokenize, run a backend, report each completion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qbench.engine.engine import Engine
+from qbench.engine.hf_backend import HFBackend, load_hf_model
+from qbench.engine.nocache import NoCacheEngine
+from qbench.engine.sampling import SamplingParams
+from qbench.errors import QBenchError
+from qbench.models.config import ModelConfig
+from qbench.models.registry import DTYPES, load_model
+from qbench.models.zoo import resolve_model
+
+BACKENDS = ("qbench", "hf", "nocache")
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many types for a broken folder
+        raise QBenchError(f"{folder}: cannot load the tokenizer ({str(e).splitlines()[0][:120]}); the folder "
+                          f"needs tokenizer.json and tokenizer_config.json") from None
+
+
+@dataclass
+class Completion:
+    prompt: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+
+
+class Generator:
+    def __init__(self, model: str, backend: str = "qbench", dtype: str = "fp32", block_size: int = 16,
+                 max_batch: int = 16):
+        if backend not in BACKENDS:
+            raise QBenchError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if dtype not in DTYPES:
+            raise QBenchError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.folder = resolve_model(model)
+        cfg = ModelConfig.from_folder(self.folder)  # the config's errors come before the tokenizer's
+        self.tokenizer = load_tokenizer(self.folder)
+        torch_dtype = DTYPES[dtype]
+        self.max_batch = max_batch
+        detok = self.detokenize
+        if backend == "hf":
+            self.backend = HFBackend(load_hf_model(self.folder, torch_dtype), cfg.max_positions,
+                                     self.eos_ids(cfg.eos_token_ids), pad_id=self._pad_id(), detokenize=detok)
+        else:
+            qmodel = load_model(self.folder, torch_dtype)
+            if backend == "nocache":
+                self.backend = NoCacheEngine(qmodel, detokenize=detok)
+            else:
+                self.backend = Engine(qmodel, block_size=block_size, max_batch=max_batch, detokenize=detok)
+            self.backend.eos_ids = self.eos_ids(qmodel.config.eos_token_ids)
+
+    def eos_ids(self, config_eos: tuple[int, ...]) -> set[int]:
+        ids = set(config_eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        tok = self.tokenizer
+        if chat:
+            if not tok.chat_template:
+                raise QBenchError(f"{self.folder}: the tokenizer has no chat template; drop --chat")
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return tok(prompt)["input_ids"]
+
+    def generate(self, prompts: list[str], params: list[SamplingParams] | SamplingParams,
+                 chat: bool = False) -> list[Completion]:
+        ids = [self.encode(p, chat) for p in prompts]
+        kwargs = {"batch_size": self.max_batch} if isinstance(self.backend, HFBackend) else {}
+        seqs = self.backend.generate(ids, params, **kwargs)
+        return [Completion(p, s.text, s.output_ids, len(s.prompt_ids), s.finish_reason) for p, s in zip(prompts, seqs)]

@@ -1,0 +1,130 @@
+"""The generation loop: static waves of sequences, prefill once, then decode one token each.
+
+The KV pool is sized when first needed and reused; within a call nothing is reallocated
+and the cache never grows by concatenation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from qbench.engine.block_manager import BlockManager
+from qbench.engine.kv_cache import KVPool
+from qbench.engine.runner import ModelRunner
+from qbench.engine.sampling import SamplingParams, sample_batch
+from qbench.engine.sequence import Sequence
+from qbench.engine.stopping import check_finished
+from qbench.errors import QBenchError
+from qbench.models.base import CausalLM
+
+
+@dataclass
+class StepStats:
+    prefill_s: list[float] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
+    decode_s: list[float] = field(default_factory=list)
+    decode_batch: list[int] = field(default_factory=list)
+
+
+def check_prompts(prompts: list[list[int]], window: int) -> None:
+    for i, p in enumerate(prompts):
+        if not p:
+            raise QBenchError(f"prompt {i} is empty; give at least one token")
+        if len(p) >= window:
+            raise QBenchError(f"prompt {i} has {len(p)} tokens but the model's context window is {window}; "
+                              f"shorten it")
+
+
+class Engine:
+    def __init__(self, model: CausalLM, block_size: int = 16, max_batch: int = 16,
+                 kv_capacity_tokens: int | None = None, detokenize: Callable[[list[int]], str] | None = None):
+        if block_size < 1 or max_batch < 1:
+            raise QBenchError(f"engine: block_size ({block_size}) and max_batch ({max_batch}) must be >= 1")
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.detokenize = detokenize
+        self.eos_ids = set(model.config.eos_token_ids)
+        self.pool: KVPool | None = None
+        self.blocks: BlockManager | None = None
+        self.runner: ModelRunner | None = None
+        self.stats = StepStats()
+        self.fixed_capacity = kv_capacity_tokens is not None
+        if kv_capacity_tokens is not None:
+            self._ensure_pool(kv_capacity_tokens)
+
+    def _ensure_pool(self, tokens: int) -> None:
+        num_blocks = -(-tokens // self.block_size)
+        if self.pool is not None and self.pool.num_blocks >= num_blocks:
+            return
+        cfg = self.config
+        self.pool = KVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                           self.model.dtype)
+        self.blocks = BlockManager(num_blocks, self.block_size)
+        self.runner = ModelRunner(self.model, self.pool)
+
+    def _budget(self, seq: Sequence) -> int:
+        """Tokens a sequence may occupy: prompt plus new tokens, capped by the context window."""
+        return min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_positions)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        check_prompts(prompts, self.config.max_positions)
+        seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+        if not self.fixed_capacity:
+            # size the pool for the largest wave of this call; it is reallocated only between calls
+            need = sorted((-(-self._budget(s) // self.block_size) * self.block_size for s in seqs), reverse=True)
+            self._ensure_pool(sum(need[: self.max_batch]))
+        pending = list(seqs)
+        while pending:
+            wave = self._take_wave(pending)
+            self._run_wave(wave)
+        return seqs
+
+    def _take_wave(self, pending: list[Sequence]) -> list[Sequence]:
+        wave, blocks = [], 0
+        while pending and len(wave) < self.max_batch:
+            need = self.blocks.blocks_for(self._budget(pending[0]))
+            if blocks + need > self.blocks.num_free:
+                break
+            blocks += need
+            wave.append(pending.pop(0))
+        if not wave:
+            raise QBenchError(f"a request needs {self._budget(pending[0])} KV tokens but the pool holds "
+                              f"{self.pool.capacity_tokens}; raise the KV capacity or lower max_new_tokens")
+        return wave
+
+    def _run_wave(self, wave: list[Sequence]) -> None:
+        for s in wave:
+            self.blocks.reserve(s, len(s))
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(wave)
+        self.stats.prefill_s.append(time.perf_counter() - t0)
+        self.stats.prefill_tokens.append(sum(len(s) for s in wave))
+        running = self._append(wave, logits)
+        while running:
+            for s in running:
+                self.blocks.reserve(s, len(s))  # allocates only when crossing a block boundary
+            t0 = time.perf_counter()
+            logits = self.runner.decode(running)
+            self.stats.decode_s.append(time.perf_counter() - t0)
+            self.stats.decode_batch.append(len(running))
+            running = self._append(running, logits)
+
+    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        still = []
+        for s, tok in zip(seqs, tokens):
+            s.output_ids.append(tok)
+            check_finished(s, tok, self.eos_ids, self.config.max_positions, self.detokenize)
+            if s.finished:
+                self.blocks.release(s)
+            else:
+                still.append(s)
+        return still

@@ -1,0 +1,69 @@
+"""Turns a list of sequences into one forward pass: ids, positions, slots and block tables."""
+
+from __future__ import annotations
+
+import torch
+
+from qbench.engine.kv_cache import KVPool
+from qbench.engine.sequence import Sequence
+from qbench.layers.attention import AttnMetadata
+from qbench.models.base import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, pool: KVPool):
+        self.model = model
+        self.pool = pool
+        self.block_size = pool.block_size
+
+    def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int64)
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run every uncached token of ``seqs`` in one pass -> logits (B, V) at each last token.
+
+        Rows are right-padded to the longest chunk; pad tokens are never written to the cache
+        and every real token keeps its own absolute position.
+        """
+        bs = self.block_size
+        chunks = [s.token_ids[s.num_cached:] for s in seqs]
+        T = max(len(c) for c in chunks)
+        ids, pos, valid, slots = [], [], [], []
+        for b, (s, c) in enumerate(zip(seqs, chunks)):
+            ids.append(c + [0] * (T - len(c)))
+            start = s.num_cached
+            pos.append(list(range(start, start + T)))
+            valid.extend(b * T + t for t in range(len(c)))
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + len(c)))
+        meta = AttnMetadata(
+            positions=torch.tensor(pos, dtype=torch.int64),  # (B, T)
+            valid_index=None if len(valid) == len(seqs) * T else torch.tensor(valid, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=self._tables(seqs),
+            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int64),
+            block_size=bs,
+        )
+        last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64)
+        logits = self.model(torch.tensor(ids, dtype=torch.int64), meta, self.pool.layers, logits_index=last)
+        for s in seqs:
+            s.num_cached = len(s)
+        return logits
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each sequence's newest token -> logits (B, V)."""
+        bs = self.block_size
+        pos = [len(s) - 1 for s in seqs]
+        meta = AttnMetadata(
+            positions=torch.tensor(pos, dtype=torch.int64)[:, None],  # (B, 1)
+            slot_mapping=torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+                                      dtype=torch.int64),
+            block_tables=self._tables(seqs),
+            context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int64),
+            block_size=bs,
+        )
+        ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.int64)
+        logits = self.model(ids, meta, self.pool.layers, logits_index=torch.zeros(len(seqs), dtype=torch.int64))
+        for s in seqs:
+            s.num_cached = len(s)
+        return logits

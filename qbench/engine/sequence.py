@@ -1,0 +1,39 @@
+"""One request as the engine sees it: tokens, its block table and its own RNG."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from qbench.engine.sampling import SamplingParams, make_generator
+
+_ids = itertools.count()
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are already in the cache
+    finish_reason: str | None = None
+    text: str = ""
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.generator = make_generator(self.params.seed)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,66 @@
+"""Compile the kernels once per source/flags/CPU into QBENCH_HOME and load them.
+
+The build writes to a temporary file and renames it, so a concurrent or interrupted
+build never leaves a broken library behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from qbench.paths import qbench_home
+
+SOURCES = ("gemm_f32.c",)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+def cpu_supports() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+
+
+def disabled() -> bool:
+    return os.environ.get("QBENCH_NO_KERNELS", "") not in ("", "0")
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None when kernels are disabled or cannot be built here."""
+    if disabled() or not cpu_supports():
+        return None
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        return None
+    here = Path(__file__).parent
+    src = b"".join((here / s).read_bytes() for s in SOURCES)
+    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    lib = qbench_home() / "kernels" / f"qbench_kernels_{key}.so"
+    if not lib.is_file():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+        os.close(fd)
+        proc = subprocess.run([cc, *FLAGS, *(str(here / s) for s in SOURCES), "-o", tmp],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            Path(tmp).unlink(missing_ok=True)
+            return None
+        os.replace(tmp, lib)
+    dll = ctypes.CDLL(str(lib))
+    f = dll.qb_gemm_f32_packed
+    f.restype = None
+    f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    return dll
+
+
+def available() -> bool:
+    return load() is not None

@@ -1,0 +1,1 @@
+"""Tensor code. Models wire these together; nothing here knows about a model family."""

@@ -1,0 +1,77 @@
+"""Attention over the block cache, with its metadata passed explicitly.
+
+Each query token carries its absolute position, so prompts of different lengths in one
+batch rotate and mask correctly without any left-padding arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from qbench.layers.kv import BlockKV
+
+
+@dataclass
+class AttnMetadata:
+    positions: torch.Tensor  # (B, T) int64 absolute position of every query token
+    valid_index: torch.Tensor | None = None  # (N,) flat indices of real tokens in (B*T); None: all real
+    slot_mapping: torch.Tensor | None = None  # (N,) cache slots for those tokens; None: no cache
+    block_tables: torch.Tensor | None = None  # (B, nblk) int64
+    context_lens: torch.Tensor | None = None  # (B,) tokens in the cache once this step is written
+    key_valid: torch.Tensor | None = None  # (B, T) bool, real tokens, for the cache-free path
+    block_size: int = 0
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.slot_mapping is not None
+
+
+def build_mask(meta: AttnMetadata, group: int, sliding_window: int | None = None) -> torch.Tensor:
+    """Boolean mask (B, 1, T * group, L); True where a query may attend a key."""
+    qpos = meta.positions  # (B, T)
+    B, T = qpos.shape
+    if meta.uses_cache:
+        L = meta.block_tables.shape[1] * meta.block_size
+        kpos = torch.arange(L, dtype=qpos.dtype).expand(B, L)
+        kvalid = kpos < meta.context_lens[:, None]
+    else:
+        kpos = qpos
+        kvalid = meta.key_valid if meta.key_valid is not None else torch.ones_like(qpos, dtype=torch.bool)
+    diff = qpos[:, :, None] - kpos[:, None, :]  # (B, T, L)
+    mask = kvalid[:, None, :] & (diff >= 0)
+    if sliding_window is not None:
+        mask &= diff < sliding_window
+    # padded query rows may see nothing; let them see key 0 so softmax stays finite
+    mask[..., 0] |= ~mask.any(-1)
+    L = mask.shape[-1]
+    return mask[:, :, None, :].expand(B, T, group, L).reshape(B, 1, T * group, L)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    meta: AttnMetadata,
+    cache: BlockKV | None,
+    scale: float,
+) -> torch.Tensor:
+    """q (B, T, nh, hd), k/v (B, T, nkv, hd) -> (B, T, nh * hd)."""
+    B, T, nh, hd = q.shape
+    nkv = k.shape[2]
+    g = nh // nkv
+    if cache is not None:
+        kf, vf = k.reshape(B * T, nkv, hd), v.reshape(B * T, nkv, hd)
+        if meta.valid_index is not None:
+            kf, vf = kf.index_select(0, meta.valid_index), vf.index_select(0, meta.valid_index)
+        cache.write(meta.slot_mapping, kf, vf)
+        keys, values = cache.read(meta.block_tables)  # (B, nkv, L, hd)
+    else:
+        keys, values = k.transpose(1, 2), v.transpose(1, 2)  # (B, nkv, T, hd)
+    # queries of one KV group side by side: (B, nkv, T * g, hd)
+    qg = q.view(B, T, nkv, g, hd).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, hd)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+    return out.view(B, nkv, T, g, hd).permute(0, 2, 1, 3, 4).reshape(B, T, nh * hd)

@@ -1,0 +1,54 @@
+"""GPT-2: learned absolute positions, LayerNorm, Conv1D weights stored (in, out)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qbench.layers.attention import attend
+from qbench.layers.linear import Linear
+from qbench.layers.norm import LayerNorm
+from qbench.models.base import CausalLM
+from qbench.models.config import ModelConfig
+from qbench.models.weights import Weights
+
+
+def _conv1d(w: Weights, name: str, n_in: int, n_out: int) -> Linear:
+    # Conv1D keeps (in, out); a linear layer wants (out, in)
+    return Linear.from_input_major(w.get(name + ".weight", (n_in, n_out)), w.get(name + ".bias", (n_out,)))
+
+
+class GPT2Block(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, w: Weights, i: int):
+        super().__init__()
+        H, I, p = cfg.hidden_size, cfg.intermediate_size, f"h.{i}."
+        self.ln_1 = LayerNorm(w.get(p + "ln_1.weight", (H,)), w.get(p + "ln_1.bias", (H,)), cfg.norm_eps)
+        self.qkv = _conv1d(w, p + "attn.c_attn", H, 3 * H)
+        self.o_proj = _conv1d(w, p + "attn.c_proj", H, H)
+        self.ln_2 = LayerNorm(w.get(p + "ln_2.weight", (H,)), w.get(p + "ln_2.bias", (H,)), cfg.norm_eps)
+        self.fc = _conv1d(w, p + "mlp.c_fc", H, I)
+        self.down_proj = _conv1d(w, p + "mlp.c_proj", I, H)
+        self.nh, self.hd = cfg.num_heads, cfg.head_dim
+        self.scale = self.hd ** -0.5
+        self.approximate = "none" if cfg.hidden_act == "gelu" else "tanh"
+
+    def forward(self, x, rope, mask, meta, cache):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(B, T, 3, self.nh, self.hd).unbind(2)
+        x = x + self.o_proj(attend(q, k, v, mask, meta, cache, self.scale))
+        return x + self.down_proj(F.gelu(self.fc(self.ln_2(x)), approximate=self.approximate))
+
+
+class GPT2Model(CausalLM):
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str):
+        super().__init__()
+        self.config = cfg
+        w = Weights(tensors, where, prefixes=("transformer.",))
+        V, H = cfg.vocab_size, cfg.hidden_size
+        self.wpe = torch.nn.Parameter(w.get("wpe.weight", (cfg.max_positions, H)), requires_grad=False)
+        self.blocks = torch.nn.ModuleList(GPT2Block(cfg, w, i) for i in range(cfg.num_layers))
+        self.final_norm = LayerNorm(w.get("ln_f.weight", (H,)), w.get("ln_f.bias", (H,)), cfg.norm_eps)
+        self.lm_head = Linear(w.get("wte.weight", (V, H)))  # tied: also the token embedding
+
+    def embed(self, input_ids, positions):
+        return self.embed_from_head(input_ids) + self.wpe[positions]

@@ -1,0 +1,24 @@
+"""Build the right forward pass for a folder's config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qbench.models.base import CausalLM
+from qbench.models.config import ModelConfig
+from qbench.models.gpt2 import GPT2Model
+from qbench.models.llama import LlamaModel
+from qbench.models.weights import load_state_dict
+
+FAMILIES = {"llama": LlamaModel, "gpt2": GPT2Model}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def load_model(folder: Path, dtype: torch.dtype = torch.float32) -> CausalLM:
+    cfg = ModelConfig.from_folder(folder)
+    tensors = load_state_dict(folder, dtype)
+    model = FAMILIES[cfg.family](cfg, tensors, where=str(folder))
+    model.eval()
+    return model

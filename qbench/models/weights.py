@@ -1,0 +1,134 @@
+"""Reading a Hugging Face folder's safetensors into plain tensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from qbench.errors import QBenchError
+
+
+def weight_files(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise QBenchError(f"{index}: malformed shard index ({e}); re-create the model folder") from None
+        files = [folder / n for n in names]
+    else:
+        files = [folder / "model.safetensors"]
+    for f in files:
+        if not f.is_file():
+            raise QBenchError(f"{folder}: missing weight file {f.name}; the folder needs model.safetensors "
+                              f"(or its shards); re-create it or run `qbench pull`")
+    return files
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype/shape/offsets, plus __metadata__) and data start."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if n <= 1 or 8 + n > size:
+                raise ValueError("bad header length")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise QBenchError(f"{path}: not a safetensors file ({e}); re-create it") from None
+    if not isinstance(header, dict):
+        raise QBenchError(f"{path}: not a safetensors file (header is not a JSON object); re-create it")
+    data_len = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            b, e = info["data_offsets"]
+            dt = _DTYPES[info["dtype"]]
+            count = 1
+            for d in info["shape"]:
+                count *= int(d)
+            ok = 0 <= b <= e <= data_len and e - b == count * torch.empty(0, dtype=dt).element_size()
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise QBenchError(f"{path}: tensor {name!r} has a corrupt entry (dtype, shape or offsets do not fit "
+                              f"the file); re-create it")
+    return header, 8 + n
+
+
+class LazyTensors:
+    """A read-only mapping name -> tensor over safetensors files, read on access.
+
+    Tensors are read with plain file reads, not a memory map, one at a time: each is
+    converted (fused, transposed, packed) and the original freed before the next, so
+    peak memory stays near the model's final size.
+    """
+
+    def __init__(self, folder: Path, dtype: torch.dtype):
+        self.dtype = dtype
+        self.where: dict[str, tuple[Path, dict, int]] = {}
+        for f in weight_files(folder):
+            header, start = read_header(f)
+            for name, info in header.items():
+                if name != "__metadata__":
+                    self.where[name] = (f, info, start)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def keys(self):
+        return self.where.keys()
+
+    def get(self, name: str, default=None):
+        if name not in self.where:
+            return default
+        f, info, start = self.where[name]
+        b, e = info["data_offsets"]
+        buf = torch.empty(e - b, dtype=torch.uint8)
+        with open(f, "rb") as fh:
+            fh.seek(start + b)
+            if fh.readinto(memoryview(buf.numpy())) != e - b:
+                raise QBenchError(f"{f}: tensor {name!r} is truncated; re-create the file")
+        t = buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t
+
+
+def load_state_dict(folder: Path, dtype: torch.dtype) -> LazyTensors:
+    return LazyTensors(folder, dtype)
+
+
+class Weights:
+    """Named tensors with one clear error for a missing or misshapen one."""
+
+    def __init__(self, tensors, where: str, prefixes: tuple[str, ...] = ("",)):
+        self.tensors = tensors
+        self.where = where
+        self.prefix = next((p for p in prefixes if any(k.startswith(p) for k in tensors.keys())), "")
+
+    def has(self, name: str) -> bool:
+        return (self.prefix + name) in self.tensors or name in self.tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        t = self.tensors.get(self.prefix + name)
+        if t is None:
+            t = self.tensors.get(name)
+        if t is None:
+            raise QBenchError(f"{self.where}: tensor {self.prefix + name!r} is missing; the weights do not "
+                              f"match config.json")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise QBenchError(f"{self.where}: tensor {name!r} has shape {tuple(t.shape)}, config.json implies "
+                              f"{tuple(shape)}")
+        return t
+
+    def maybe(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
+        return self.get(name, shape) if self.has(name) else None

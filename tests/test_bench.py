@@ -1,0 +1,33 @@
+"""`qbench bench` runs every backend in one go and reports speed and memory per case."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import SMOL
+
+
+def test_bench_reports_speed_memory_and_agreement(tmp_path, smollm2):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qbench", "bench", SMOL, "--batch-sizes", "1,2", "--prompt-len", "16",
+         "--gen-len", "6", "--backends", "qbench,hf,hf-generate,nocache", "--nocache-batch-sizes", "1,2",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "decode tok/s" in proc.stdout and "qbench/hf-generate@1" in proc.stdout
+    report = json.loads(out.read_text())
+    cases = {(r["backend"], r["batch"]): r for r in report["results"]}
+    assert set(cases) == {(b, n) for b in ("qbench", "hf", "hf-generate", "nocache") for n in (1, 2)}
+    q = cases[("qbench", 2)]
+    assert q["decode_steps"] == 5 and q["decode_tok_s"] > 0 and q["prefill_tok_s"] > 0
+    assert 500 * 2**20 < q["weight_bytes"] < 530 * 2**20  # fp32 SmolLM2, tied embedding counted once
+    per_token = 2 * 30 * 3 * 64 * 4
+    assert q["kv_bytes_per_token"] == per_token
+    assert q["kv_bytes_used"] == 2 * (16 + 6 - 1) * per_token <= q["kv_bytes_reserved"]
+    assert q["peak_rss_bytes"] > q["weight_bytes"]
+    assert len(q["step_ms_by_quarter"]) == 4
+    for key in [("qbench", 1), ("qbench", 2), ("hf-generate", 2), ("nocache", 1)]:
+        assert cases[key]["greedy_match_vs_hf"] == 1.0
+    assert set(report["ratios"]) >= {"qbench/hf@1", "qbench/hf-generate@2", "qbench/nocache@1"}
