@@ -5,10 +5,22 @@ from pathlib import Path
 import pytest
 import torch
 
+from qbench.kernels import build
+
 warnings.filterwarnings("ignore")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch):
+    """Run each golden test on the native-kernel path and on the pure-torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(build, "available", lambda: False)
+    elif not build.available():
+        pytest.skip("no native kernels on this machine")
+    return request.param
 
 
 def _tiny(family: str, seed: int = 0):
@@ -27,6 +39,8 @@ def _tiny(family: str, seed: int = 0):
             "original_max_position_embeddings": 64}))
     elif family == "mistral":
         m = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+    elif family == "mistral-window":
+        m = MistralForCausalLM(MistralConfig(**common, sliding_window=8))
     elif family == "qwen2":
         m = Qwen2ForCausalLM(Qwen2Config(**common))
         with torch.no_grad():  # random init leaves q/k/v biases at zero; make them matter
@@ -45,7 +59,7 @@ def _tiny(family: str, seed: int = 0):
     return m.eval()
 
 
-FAMILIES = ["llama", "llama-tied-bias", "llama3-rope", "mistral", "qwen2", "gpt2"]
+FAMILIES = ["llama", "llama-tied-bias", "llama3-rope", "mistral", "mistral-window", "qwen2", "gpt2"]
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_greedy_equals_sequential(tiny_models, family):
+def test_batched_greedy_equals_sequential(tiny_models, family, path):
     folder, _ = tiny_models[family]
     eng = Engine(load_model(folder), block_size=4)
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -29,7 +29,7 @@ def test_batched_greedy_equals_sequential(tiny_models, family):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_uneven_prompts_get_their_own_positions(tiny_models, family):
+def test_uneven_prompts_get_their_own_positions(tiny_models, family, path):
     folder, hf = tiny_models[family]
     model = load_model(folder)
     eng = Engine(model, block_size=4)

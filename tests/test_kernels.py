@@ -19,7 +19,7 @@ def test_packed_gemm_matches_float64(M, N, K, with_bias):
     W = torch.randn(N, K, generator=g)
     x = torch.randn(M, K, generator=g)
     b = torch.randn(N, generator=g) if with_bias else None
-    P = pack_panels(W.t())
+    P = pack_panels(W)
     ref = x.double() @ W.t().double() + (0 if b is None else b.double())
     got = gemm_packed(x, P, b, N)
     assert got.shape == (M, N)
@@ -29,7 +29,7 @@ def test_packed_gemm_matches_float64(M, N, K, with_bias):
 
 def test_pack_roundtrip_with_padding():
     W = torch.randn(37, 8)
-    P = pack_panels(W.t())
+    P = pack_panels(W)
     assert P.shape == (3, 8, 16)
     assert torch.equal(unpack_panels(P, 37), W.t())
     assert torch.count_nonzero(P[2, :, 5:]) == 0  # the padded columns are zero
@@ -50,3 +50,55 @@ def test_linear_kernel_and_torch_fallback_agree(monkeypatch):
     assert torch.equal(fast.weight, W) and torch.equal(slow.weight, W)
     ids = torch.tensor([0, 17, 99])
     assert torch.equal(fast.rows(ids), W[ids]) and torch.equal(slow.rows(ids), W[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_the_torch_path(window):
+    from qbench.kernels.ops import paged_attention
+    from qbench.layers.attention import AttnMetadata, attend, build_mask
+    from qbench.layers.kv import BlockKV
+
+    g = torch.Generator().manual_seed(0)
+    nb, bs, nkv, nh, hd = 12, 4, 2, 6, 16
+    kp, vp = torch.randn(nb, bs, nkv, hd, generator=g), torch.randn(nb, bs, nkv, hd, generator=g)
+    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]])
+    ctx = torch.tensor([13, 9])  # tokens in each sequence's cache
+    T = 3
+    pos = torch.stack([ctx[b] - T + torch.arange(T) for b in range(2)])  # last 3 tokens as queries
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    q = torch.randn(2, T, nh, hd, generator=g)
+    got = paged_attention(q, kp, vp, tables, pos, valid, window, 0.25)
+    # reference: gather through the tables, dense mask, softmax in float64
+    meta = AttnMetadata(positions=pos, block_tables=tables, context_lens=ctx, slot_mapping=torch.zeros(0),
+                        block_size=bs)
+    mask = build_mask(meta, nh // nkv, window)
+    keys, values = BlockKV(kp, vp).read(tables)
+    qg = q.view(2, T, nkv, 3, hd).permute(0, 2, 1, 3, 4).reshape(2, nkv, T * 3, hd)
+    s = (qg.double() @ keys.double().transpose(-1, -2)) * 0.25
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+    ref = (p @ values.double()).view(2, nkv, T, 3, hd).permute(0, 2, 1, 3, 4).reshape(2, T, nh * hd)
+    assert (got[valid] - ref[valid]).abs().max() < 1e-5
+    assert torch.count_nonzero(got[~valid]) == 0
+
+
+@needs_kernel
+def test_fused_layer_ops_match_torch():
+    from qbench.kernels.ops import rmsnorm, rope_, silu_mul
+    from qbench.layers.rope import RopeTable, apply_rope
+
+    x, w = torch.randn(5, 3, 576), torch.randn(576)
+    ref = torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5)
+    assert (rmsnorm(x, w, 1e-5).double() - ref).abs().max() < 1e-5
+    gu = torch.randn(4, 2 * 1536) * 6
+    ref = torch.nn.functional.silu(gu[:, :1536].double()) * gu[:, 1536:].double()
+    assert (silu_mul(gu).double() - ref).abs().max() < 1e-4
+    table = RopeTable(64, 512, 10000.0)
+    qkv = torch.randn(2, 7, 5, 64)
+    pos = torch.randint(0, 512, (2, 7))
+    cos, sin = table.lookup(pos, torch.float32)
+    ref = apply_rope(qkv[:, :, :4], cos, sin)
+    out = qkv.clone()
+    rope_(out, pos, table.cos, table.sin, 4)
+    assert (out[:, :, :4] - ref).abs().max() < 1e-5
+    assert torch.equal(out[:, :, 4], qkv[:, :, 4])  # v heads are not rotated

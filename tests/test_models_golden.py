@@ -15,6 +15,8 @@ from qbench.models.registry import load_model
 TOL = 2e-4  # max |logit difference|, float32, on logits of magnitude ~1-10
 
 
+
+
 def cached_logits(model, tokens: list[int], prompt_len: int, block_size: int = 4) -> torch.Tensor:
     """Prefill tokens[:prompt_len], then decode the rest one by one -> logits at positions prompt_len-1.."""
     cfg = model.config
@@ -31,7 +33,7 @@ def cached_logits(model, tokens: list[int], prompt_len: int, block_size: int = 4
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_dense_logits_match_transformers(tiny_models, family):
+def test_dense_logits_match_transformers(tiny_models, family, path):
     folder, hf = tiny_models[family]
     ours = load_model(folder)
     ids = torch.randint(2, 128, (2, 17), generator=torch.Generator().manual_seed(1))
@@ -44,7 +46,7 @@ def test_dense_logits_match_transformers(tiny_models, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cached_prefill_then_decode_matches_transformers(tiny_models, family):
+def test_cached_prefill_then_decode_matches_transformers(tiny_models, family, path):
     folder, hf = tiny_models[family]
     ours = load_model(folder)
     tokens = torch.randint(2, 128, (23,), generator=torch.Generator().manual_seed(2)).tolist()

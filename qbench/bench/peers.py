@@ -64,8 +64,10 @@ def run_llama_cpp(gguf: Path, prompt: list[int], gen_len: int, threads: int) -> 
     llm.eval(prompt)
     prefill = time.perf_counter() - t0
     steps, tokens = [], []
+    n_vocab = llm.n_vocab()
     for _ in range(gen_len - 1):
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        # the last token's logits (llama-cpp-python keeps no score rows unless logits_all)
+        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
         tokens.append(tok)
         t0 = time.perf_counter()
         llm.eval([tok])

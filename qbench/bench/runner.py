@@ -68,6 +68,14 @@ def summarize(raw: dict, prompt_tokens: int) -> dict:
     return out
 
 
+def _unique_bytes(tensors) -> int:
+    """Bytes of distinct storages: a tied lm_head shares the embedding's."""
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def run_case(case: dict) -> dict:
     """Runs in a fresh process. Returns the raw measurements of one backend at one batch size."""
     import torch
@@ -93,7 +101,7 @@ def run_case(case: dict) -> dict:
         if backend == "hf":
             hf = load_hf_model(folder, dtype)
             runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
-            res["weight_bytes"] = sum(p.nbytes for p in hf.state_dict().values())
+            res["weight_bytes"] = _unique_bytes(hf.state_dict().values())
         else:
             model = load_model(folder, dtype)
             runner = Engine(model, max_batch=B) if backend == "qbench" else NoCacheEngine(model)
@@ -117,7 +125,7 @@ def run_case(case: dict) -> dict:
         from qbench.engine.hf_backend import load_hf_model
 
         hf = load_hf_model(folder, dtype)
-        res["weight_bytes"] = sum(p.nbytes for p in hf.state_dict().values())
+        res["weight_bytes"] = _unique_bytes(hf.state_dict().values())
         pad = tok.pad_token_id or 0
         run_hf_generate(hf, prompts, 4, pad)
         raw = run_hf_generate(hf, prompts, G, pad)

@@ -36,9 +36,11 @@ class ModelRunner:
             pos.append(list(range(start, start + T)))
             valid.extend(b * T + t for t in range(len(c)))
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + len(c)))
+        padded = len(valid) != len(seqs) * T
         meta = AttnMetadata(
             positions=torch.tensor(pos, dtype=torch.int64),  # (B, T)
-            valid_index=None if len(valid) == len(seqs) * T else torch.tensor(valid, dtype=torch.int64),
+            valid_index=torch.tensor(valid, dtype=torch.int64) if padded else None,
+            query_valid=torch.tensor([[t < len(c) for t in range(T)] for c in chunks]) if padded else None,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=self._tables(seqs),
             context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int64),

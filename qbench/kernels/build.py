@@ -12,13 +12,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c",)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+SOURCES = ("gemm_f32.c", "ops_f32.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
 def cpu_supports() -> bool:
@@ -53,12 +54,22 @@ def load() -> ctypes.CDLL | None:
                               capture_output=True, text=True)
         if proc.returncode != 0:
             Path(tmp).unlink(missing_ok=True)
+            warnings.warn(f"qbench: could not compile the CPU kernels, using torch's path instead: "
+                          f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
             return None
         os.replace(tmp, lib)
     dll = ctypes.CDLL(str(lib))
-    f = dll.qb_gemm_f32_packed
-    f.restype = None
-    f.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "qb_gemm_f32_packed": [P, P, P, P, L, L, L, I],
+        "qb_rmsnorm": [P, P, P, L, L, F, I],
+        "qb_silu_mul": [P, P, L, L, I],
+        "qb_rope": [P, P, P, P, L, L, L, L, I],
+        "qb_paged_attention": [P] * 7 + [L] * 8 + [F, I],
+    }
+    for name, args in signatures.items():
+        fn = getattr(dll, name)
+        fn.restype, fn.argtypes = None, args
     return dll
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from qbench.kernels import build as kernels
+from qbench.kernels.ops import paged_attention
 from qbench.layers.kv import BlockKV
 
 
@@ -22,11 +24,17 @@ class AttnMetadata:
     block_tables: torch.Tensor | None = None  # (B, nblk) int64
     context_lens: torch.Tensor | None = None  # (B,) tokens in the cache once this step is written
     key_valid: torch.Tensor | None = None  # (B, T) bool, real tokens, for the cache-free path
+    query_valid: torch.Tensor | None = None  # (B, T) bool, real query tokens when rows are padded
     block_size: int = 0
 
     @property
     def uses_cache(self) -> bool:
         return self.slot_mapping is not None
+
+
+def uses_kernel(meta: AttnMetadata, dtype: torch.dtype) -> bool:
+    """The native kernel reads K/V from the pool directly; it needs no dense mask."""
+    return meta.uses_cache and dtype == torch.float32 and kernels.available()
 
 
 def build_mask(meta: AttnMetadata, group: int, sliding_window: int | None = None) -> torch.Tensor:
@@ -54,12 +62,16 @@ def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     meta: AttnMetadata,
     cache: BlockKV | None,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q (B, T, nh, hd), k/v (B, T, nkv, hd) -> (B, T, nh * hd)."""
+    """q (B, T, nh, hd), k/v (B, T, nkv, hd) -> (B, T, nh * hd).
+
+    ``mask`` comes from ``build_mask`` and is None exactly when ``uses_kernel`` holds.
+    """
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     g = nh // nkv
@@ -68,6 +80,9 @@ def attend(
         if meta.valid_index is not None:
             kf, vf = kf.index_select(0, meta.valid_index), vf.index_select(0, meta.valid_index)
         cache.write(meta.slot_mapping, kf, vf)
+        if mask is None:
+            return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.positions, meta.query_valid,
+                                   window, scale)
         keys, values = cache.read(meta.block_tables)  # (B, nkv, L, hd)
     else:
         keys, values = k.transpose(1, 2), v.transpose(1, 2)  # (B, nkv, T, hd)

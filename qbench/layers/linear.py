@@ -26,7 +26,7 @@ class Linear(torch.nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else torch.nn.Parameter(bias.contiguous(), requires_grad=False)
         if weight.dtype == torch.float32 and kernels.available():
-            self.packed = torch.nn.Parameter(pack_panels(weight.t()), requires_grad=False)  # (N/16, K, 16)
+            self.packed = torch.nn.Parameter(pack_panels(weight), requires_grad=False)  # (N/16, K, 16)
             self.weight_t = None
         else:
             self.packed = None

@@ -12,6 +12,9 @@ import math
 
 import torch
 
+from qbench.kernels import build as kernels
+from qbench.kernels.ops import rope_
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,) in float32, with Llama-3 or linear scaling."""
@@ -61,3 +64,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotate_heads(x: torch.Tensor, nrot: int, positions: torch.Tensor, table: RopeTable) -> torch.Tensor:
+    """Rotate heads [0, nrot) of x (B, T, nheads, hd) -> (B, T, nrot, hd).
+
+    The native kernel rotates in place inside x (q and k of a fused qkv buffer); the torch
+    path returns a new tensor. Both read the same float32 table.
+    """
+    if x.dtype == torch.float32 and x.is_contiguous() and kernels.available():
+        rope_(x, positions, table.cos, table.sin, nrot)
+        return x[:, :, :nrot]
+    cos, sin = table.lookup(positions, x.dtype)
+    return apply_rope(x[:, :, :nrot], cos, sin)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from qbench.layers.attention import AttnMetadata, build_mask
+from qbench.layers.attention import AttnMetadata, build_mask, uses_kernel
 from qbench.layers.kv import BlockKV
 from qbench.models.config import ModelConfig
 
@@ -22,9 +22,6 @@ class CausalLM(torch.nn.Module):
         """Token embeddings read from a tied lm_head stored (H, V): (B, T) -> (B, T, H)."""
         return self.lm_head.rows(input_ids.reshape(-1)).reshape(*input_ids.shape, self.lm_head.in_features)
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
-        return None
-
     @property
     def dtype(self) -> torch.dtype:
         return self.final_norm.weight.dtype
@@ -40,10 +37,11 @@ class CausalLM(torch.nn.Module):
         """input_ids (B, T) -> logits (B, V) at ``logits_index`` per row, else (B, T, V)."""
         cfg = self.config
         x = self.embed(input_ids, meta.positions)  # (B, T, H)
-        rope = self.rope(meta.positions, x.dtype)
-        mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
+        mask = None
+        if caches is None or not uses_kernel(meta, x.dtype):
+            mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask, meta, None if caches is None else caches[i])
+            x = block(x, mask, meta, None if caches is None else caches[i])
         if logits_index is not None:
             x = x[torch.arange(x.shape[0]), logits_index]  # (B, H)
         return self.lm_head(self.final_norm(x)).float()

@@ -32,7 +32,7 @@ class GPT2Block(torch.nn.Module):
         self.scale = self.hd ** -0.5
         self.approximate = "none" if cfg.hidden_act == "gelu" else "tanh"
 
-    def forward(self, x, rope, mask, meta, cache):
+    def forward(self, x, mask, meta, cache):
         B, T, _ = x.shape
         q, k, v = self.qkv(self.ln_1(x)).view(B, T, 3, self.nh, self.hd).unbind(2)
         x = x + self.o_proj(attend(q, k, v, mask, meta, cache, self.scale))

@@ -9,7 +9,9 @@ from qbench.errors import QBenchError
 from qbench.layers.attention import attend
 from qbench.layers.linear import Linear, fuse
 from qbench.layers.norm import RMSNorm
-from qbench.layers.rope import RopeTable, apply_rope
+from qbench.kernels import build as kernels
+from qbench.kernels.ops import silu_mul
+from qbench.layers.rope import RopeTable, rotate_heads
 from qbench.models.base import CausalLM
 from qbench.models.config import ModelConfig
 from qbench.models.weights import Weights
@@ -19,8 +21,9 @@ _ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approxim
 
 
 class LlamaBlock(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, w: Weights, i: int):
+    def __init__(self, cfg: ModelConfig, w: Weights, i: int, rope: RopeTable):
         super().__init__()
+        self.rope, self.window = rope, cfg.sliding_window
         H, hd, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         p = f"layers.{i}."
         a = p + "self_attn."
@@ -36,18 +39,21 @@ class LlamaBlock(torch.nn.Module):
                              (w.get(m + "up_proj.weight", (I, H)), w.maybe(m + "up_proj.bias"))])
         self.down_proj = Linear(w.get(m + "down_proj.weight", (H, I)), w.maybe(m + "down_proj.bias"))
         self.act = _ACT[cfg.hidden_act]
+        self.fused_silu = cfg.hidden_act == "silu"
         self.nh, self.nkv, self.hd, self.inter = nh, nkv, hd, I
         self.scale = hd ** -0.5
 
-    def forward(self, x, rope, mask, meta, cache):
+    def forward(self, x, mask, meta, cache):
         B, T, _ = x.shape
         qkv = self.qkv(self.input_norm(x)).view(B, T, self.nh + 2 * self.nkv, self.hd)
-        cos, sin = rope
-        qk = apply_rope(qkv[:, :, : self.nh + self.nkv], cos, sin)  # q and k rotate together
+        qk = rotate_heads(qkv, self.nh + self.nkv, meta.positions, self.rope)  # q and k rotate together
         q, k = qk[:, :, : self.nh], qk[:, :, self.nh:]
         v = qkv[:, :, self.nh + self.nkv:]
-        x = x + self.o_proj(attend(q, k, v, mask, meta, cache, self.scale))
-        gate, up = self.gate_up(self.post_norm(x)).split(self.inter, dim=-1)
+        x = x + self.o_proj(attend(q, k, v, mask, meta, cache, self.scale, self.window))
+        gate_up = self.gate_up(self.post_norm(x))
+        if self.fused_silu and gate_up.dtype == torch.float32 and kernels.available():
+            return x + self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return x + self.down_proj(self.act(gate) * up)
 
 
@@ -58,7 +64,8 @@ class LlamaModel(CausalLM):
         w = Weights(tensors, where, prefixes=("model.",))
         V, H = cfg.vocab_size, cfg.hidden_size
         embed = w.get("embed_tokens.weight", (V, H))
-        self.blocks = torch.nn.ModuleList(LlamaBlock(cfg, w, i) for i in range(cfg.num_layers))
+        self.rope_table = RopeTable(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.blocks = torch.nn.ModuleList(LlamaBlock(cfg, w, i, self.rope_table) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(w.get("norm.weight", (H,)), cfg.norm_eps)
         head = tensors.get("lm_head.weight")
         if head is None and not cfg.tie_embeddings:
@@ -67,12 +74,8 @@ class LlamaModel(CausalLM):
         # tied: one (H, V) buffer serves as both lm_head and the embedding table
         self.lm_head = Linear(embed if self.tied else head)
         self.embed_tokens = None if self.tied else torch.nn.Parameter(embed, requires_grad=False)
-        self.rope_table = RopeTable(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
 
     def embed(self, input_ids, positions):
         if self.embed_tokens is None:
             return self.embed_from_head(input_ids)
         return self.embed_tokens[input_ids]
-
-    def rope(self, positions, dtype):
-        return self.rope_table.lookup(positions, dtype)
