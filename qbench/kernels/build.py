@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -66,6 +66,8 @@ def load() -> ctypes.CDLL | None:
         "qb_silu_mul": [P, P, L, L, I],
         "qb_rope": [P, P, P, P, L, L, L, L, I],
         "qb_paged_attention": [P] * 7 + [L] * 8 + [F, I],
+        "qb_gemm_i8": [P] * 4 + [L] * 3 + [I],
+        "qb_gemm_i4": [P] * 5 + [L] * 4 + [I],
     }
     for name, args in signatures.items():
         fn = getattr(dll, name)

@@ -13,9 +13,9 @@ from qbench.models.config import ModelConfig
 from qbench.models.weights import Weights
 
 
-def _conv1d(w: Weights, name: str, n_in: int, n_out: int) -> Linear:
+def _conv1d(w: Weights, name: str, n_in: int, n_out: int):
     # Conv1D keeps (in, out); a linear layer wants (out, in)
-    return Linear.from_input_major(w.get(name + ".weight", (n_in, n_out)), w.get(name + ".bias", (n_out,)))
+    return w.linear([name], [(n_out, n_in)], conv1d=True)
 
 
 class GPT2Block(torch.nn.Module):
@@ -40,15 +40,22 @@ class GPT2Block(torch.nn.Module):
 
 
 class GPT2Model(CausalLM):
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str):
+    def __init__(self, cfg: ModelConfig, tensors, where: str, factory=None):
         super().__init__()
         self.config = cfg
-        w = Weights(tensors, where, prefixes=("transformer.",))
+        w = Weights(tensors, where, prefixes=("transformer.",), factory=factory)
         V, H = cfg.vocab_size, cfg.hidden_size
         self.wpe = torch.nn.Parameter(w.get("wpe.weight", (cfg.max_positions, H)), requires_grad=False)
         self.blocks = torch.nn.ModuleList(GPT2Block(cfg, w, i) for i in range(cfg.num_layers))
         self.final_norm = LayerNorm(w.get("ln_f.weight", (H,)), w.get("ln_f.bias", (H,)), cfg.norm_eps)
-        self.lm_head = Linear(w.get("wte.weight", (V, H)))  # tied: also the token embedding
+        wte = w.get("wte.weight", (V, H))
+        if w.is_quantized("lm_head"):
+            self.lm_head = w.linear(["lm_head"], [(V, H)])
+            self.wte = torch.nn.Parameter(wte, requires_grad=False)
+        else:
+            self.lm_head = Linear(wte)  # tied: also the token embedding
+            self.wte = None
 
     def embed(self, input_ids, positions):
-        return self.embed_from_head(input_ids) + self.wpe[positions]
+        tok = self.embed_from_head(input_ids) if self.wte is None else self.wte[input_ids]
+        return tok + self.wpe[positions]

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from qbench.errors import QBenchError
 from qbench.layers.attention import attend
-from qbench.layers.linear import Linear, fuse
+from qbench.layers.linear import Linear
 from qbench.layers.norm import RMSNorm
 from qbench.kernels import build as kernels
 from qbench.kernels.ops import silu_mul
@@ -29,15 +29,12 @@ class LlamaBlock(torch.nn.Module):
         a = p + "self_attn."
         self.input_norm = RMSNorm(w.get(p + "input_layernorm.weight", (H,)), cfg.norm_eps)
         # q, k and v read the same input: one matmul
-        self.qkv = fuse([(w.get(a + "q_proj.weight", (nh * hd, H)), w.maybe(a + "q_proj.bias")),
-                         (w.get(a + "k_proj.weight", (nkv * hd, H)), w.maybe(a + "k_proj.bias")),
-                         (w.get(a + "v_proj.weight", (nkv * hd, H)), w.maybe(a + "v_proj.bias"))])
-        self.o_proj = Linear(w.get(a + "o_proj.weight", (H, nh * hd)), w.maybe(a + "o_proj.bias"))
+        self.qkv = w.linear([a + "q_proj", a + "k_proj", a + "v_proj"], [(nh * hd, H), (nkv * hd, H), (nkv * hd, H)])
+        self.o_proj = w.linear([a + "o_proj"], [(H, nh * hd)])
         self.post_norm = RMSNorm(w.get(p + "post_attention_layernorm.weight", (H,)), cfg.norm_eps)
         m, I = p + "mlp.", cfg.intermediate_size
-        self.gate_up = fuse([(w.get(m + "gate_proj.weight", (I, H)), w.maybe(m + "gate_proj.bias")),
-                             (w.get(m + "up_proj.weight", (I, H)), w.maybe(m + "up_proj.bias"))])
-        self.down_proj = Linear(w.get(m + "down_proj.weight", (H, I)), w.maybe(m + "down_proj.bias"))
+        self.gate_up = w.linear([m + "gate_proj", m + "up_proj"], [(I, H), (I, H)])
+        self.down_proj = w.linear([m + "down_proj"], [(H, I)])
         self.act = _ACT[cfg.hidden_act]
         self.fused_silu = cfg.hidden_act == "silu"
         self.nh, self.nkv, self.hd, self.inter = nh, nkv, hd, I
@@ -58,22 +55,22 @@ class LlamaBlock(torch.nn.Module):
 
 
 class LlamaModel(CausalLM):
-    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str):
+    def __init__(self, cfg: ModelConfig, tensors, where: str, factory=None):
         super().__init__()
         self.config = cfg
-        w = Weights(tensors, where, prefixes=("model.",))
+        w = Weights(tensors, where, prefixes=("model.",), factory=factory)
         V, H = cfg.vocab_size, cfg.hidden_size
         embed = w.get("embed_tokens.weight", (V, H))
         self.rope_table = RopeTable(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.blocks = torch.nn.ModuleList(LlamaBlock(cfg, w, i, self.rope_table) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(w.get("norm.weight", (H,)), cfg.norm_eps)
-        head = tensors.get("lm_head.weight")
-        if head is None and not cfg.tie_embeddings:
-            raise QBenchError(f"{where}: lm_head.weight is missing and tie_word_embeddings is false")
-        self.tied = cfg.tie_embeddings or head is None
-        # tied: one (H, V) buffer serves as both lm_head and the embedding table
-        self.lm_head = Linear(embed if self.tied else head)
-        self.embed_tokens = None if self.tied else torch.nn.Parameter(embed, requires_grad=False)
+        own_head = w.has_linear("lm_head") and (not cfg.tie_embeddings or w.is_quantized("lm_head"))
+        if own_head:
+            self.lm_head = w.linear(["lm_head"], [(V, H)])
+            self.embed_tokens = torch.nn.Parameter(embed, requires_grad=False)
+        else:
+            self.lm_head = Linear(embed)  # tied: one buffer is both lm_head and the embedding table
+            self.embed_tokens = None
 
     def embed(self, input_ids, positions):
         if self.embed_tokens is None:

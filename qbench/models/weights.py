@@ -107,12 +107,29 @@ def load_state_dict(folder: Path, dtype: torch.dtype) -> LazyTensors:
     return LazyTensors(folder, dtype)
 
 
-class Weights:
-    """Named tensors with one clear error for a missing or misshapen one."""
+def dense_linear(w: "Weights", names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
+    """The default factory: fp projections that read the same input, fused into one Linear."""
+    from qbench.layers.linear import Linear, fuse
 
-    def __init__(self, tensors, where: str, prefixes: tuple[str, ...] = ("",)):
+    parts = []
+    for name, (n, k) in zip(names, shapes):
+        weight = w.get(name + ".weight", (k, n) if conv1d else (n, k))
+        parts.append((weight.t() if conv1d else weight, w.maybe(name + ".bias", (n,))))
+    return Linear(*parts[0]) if len(parts) == 1 else fuse(parts)
+
+
+class Weights:
+    """Named tensors with one clear error for a missing or misshapen one.
+
+    ``linear`` builds the module for one or several projections that read the same input
+    (q/k/v, gate/up). The factory is injected, so a quantized artifact can hand the same
+    model code integer weights without the model importing the quantization package.
+    """
+
+    def __init__(self, tensors, where: str, prefixes: tuple[str, ...] = ("",), factory=None):
         self.tensors = tensors
         self.where = where
+        self.factory = factory or dense_linear
         self.prefix = next((p for p in prefixes if any(k.startswith(p) for k in tensors.keys())), "")
 
     def has(self, name: str) -> bool:
@@ -132,3 +149,15 @@ class Weights:
 
     def maybe(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
         return self.get(name, shape) if self.has(name) else None
+
+    def has_linear(self, name: str) -> bool:
+        """Any tensor of projection ``name`` (fp ``.weight`` or a quantized layout)."""
+        heads = (self.prefix + name + ".", name + ".")
+        return any(k.startswith(heads) for k in self.tensors.keys())
+
+    def is_quantized(self, name: str) -> bool:
+        return getattr(self.factory, "is_quantized", lambda w, n: False)(self, name)
+
+    def linear(self, names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
+        """Projections ``names`` with (out, in) ``shapes``, fused in order -> one module."""
+        return self.factory(self, names, shapes, conv1d)

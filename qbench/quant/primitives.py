@@ -1,0 +1,119 @@
+"""Pure tensor functions for the quantization math. No modules, no I/O.
+
+Conventions (the seeds):
+- INT8: symmetric per output channel, scale = absmax / 127, codes in [-127, 127].
+- INT4: groups of G along the input dimension (G in 32, 64, 128). Symmetric: scale = absmax / 7,
+  codes clipped to [-8, 7]. Asymmetric: min/max with an integer zero point, codes in [0, 15].
+- Scales are FP16. An input width that is not a multiple of G pads the last group with zeros.
+- Canonical INT4 packing: two nibbles per byte along the input dimension, even index in the
+  low nibble, stored as unsigned codes (symmetric codes offset by 8, as compressed-tensors does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class QTensor:
+    """A quantized 2-D weight (N, K) with everything needed to dequantize it."""
+
+    bits: int  # 8 or 4
+    codes: torch.Tensor  # int8 (N, K) for INT8; uint8 (N, K_pad) unsigned codes for INT4
+    scale: torch.Tensor  # fp16 (N,) for INT8; (N, ngroups) for INT4
+    zero: torch.Tensor | None  # uint8 (N, ngroups) for asymmetric INT4, else None
+    group_size: int | None  # None for per-channel INT8
+    shape: tuple[int, int]  # (N, K) before padding
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero is None
+
+
+def padded_width(k: int, group: int) -> int:
+    return -(-k // group) * group
+
+
+def quantize_int8(w: torch.Tensor) -> QTensor:
+    """Symmetric per-output-channel INT8."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).half()
+    codes = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
+    return QTensor(8, codes, scale, None, None, tuple(w.shape))
+
+
+def int4_params(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales (N, ngroups) fp16 and zero points (N, ngroups) uint8 (None if symmetric) for w (N, K)."""
+    N, K = w.shape
+    wp = torch.nn.functional.pad(w.float(), (0, padded_width(K, group) - K)).view(N, -1, group)
+    if symmetric:
+        return (wp.abs().amax(-1) / 7.0).clamp(min=1e-8).half(), None
+    lo, hi = wp.amin(-1).clamp(max=0), wp.amax(-1).clamp(min=0)  # the grid always contains 0
+    scale = ((hi - lo) / 15.0).clamp(min=1e-8).half()
+    zero = torch.clamp(torch.round(-lo / scale.float()), 0, 15).to(torch.uint8)
+    return scale, zero
+
+
+def quantize_int4_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Codes (N, K_pad) uint8 in [0, 15] for w under given group parameters."""
+    N, K = w.shape
+    wp = torch.nn.functional.pad(w.float(), (0, padded_width(K, group) - K)).view(N, -1, group)
+    s = scale.float()[..., None]
+    if zero is None:
+        q = torch.clamp(torch.round(wp / s), -8, 7) + 8
+    else:
+        q = torch.clamp(torch.round(wp / s) + zero.float()[..., None], 0, 15)
+    return q.view(N, -1).to(torch.uint8)
+
+
+def quantize_int4(w: torch.Tensor, group: int, symmetric: bool = True) -> QTensor:
+    if group not in GROUP_SIZES:
+        raise ValueError(f"group size {group} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
+    scale, zero = int4_params(w, group, symmetric)
+    return QTensor(4, quantize_int4_with(w, scale, zero, group), scale, zero, group, tuple(w.shape))
+
+
+def dequantize(q: QTensor) -> torch.Tensor:
+    """The reference path: codes back to float32 (N, K), one scale per group applied per element."""
+    N, K = q.shape
+    if q.bits == 8:
+        return q.codes.float() * q.scale.float()[:, None]
+    codes = q.codes.float().view(N, -1, q.group_size)
+    zero = 8.0 if q.zero is None else q.zero.float()[..., None]
+    return ((codes - zero) * q.scale.float()[..., None]).view(N, -1)[:, :K]
+
+
+def fake_quantize(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> torch.Tensor:
+    """Quantize then dequantize: what a search (AWQ's grid) compares against."""
+    return dequantize(quantize_int8(w) if bits == 8 else quantize_int4(w, group, symmetric))
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) uint8 codes in [0, 15] -> (N, K/2) bytes, even index in the low nibble."""
+    if codes.shape[1] % 2:
+        raise ValueError("pack_int4 needs an even number of columns")
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8)
+    out[:, 0::2] = packed & 0x0F
+    out[:, 1::2] = packed >> 4
+    return out
+
+
+def storage_bytes(q: QTensor) -> int:
+    """Exact bytes this weight occupies as stored: codes (packed for INT4), fp16 scales, uint8 zeros."""
+    code_bytes = q.codes.numel() if q.bits == 8 else q.codes.numel() // 2
+    return code_bytes + 2 * q.scale.numel() + (0 if q.zero is None else q.zero.numel())
+
+
+def bytes_per_weight(bits: int, group: int | None, symmetric: bool) -> float:
+    """Nominal bytes per weight for a scheme, e.g. INT4 g128 with FP16 scales: 0.5 + 2/128 = 0.515625."""
+    if bits == 8:
+        return 1.0  # plus one fp16 scale per output channel, negligible per weight
+    return 0.5 + 2 / group + (0 if symmetric else 1 / group)

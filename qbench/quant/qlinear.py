@@ -1,0 +1,137 @@
+"""Thin runtime modules that hold integer weights as buffers and only do forward.
+
+Three implementations of the same math, chosen per module at construction:
+- ``native``: qbench's C kernels (``qbench/kernels/gemm_q.c``), fp32 activations;
+- ``aten``: torch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``;
+- ``reference``: dequantize-then-matmul, the slow path every fast path is tested against.
+``QBENCH_QLINEAR`` forces one; the default is ``native`` when the kernels built, else ``aten``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from qbench.kernels import build as kernels
+from qbench.quant.primitives import QTensor, dequantize, padded_width
+
+PANEL = 16
+IMPLS = ("native", "aten", "reference")
+
+
+def default_impl() -> str:
+    forced = os.environ.get("QBENCH_QLINEAR")
+    if forced:
+        if forced not in IMPLS:
+            raise ValueError(f"QBENCH_QLINEAR={forced!r}; choose one of {', '.join(IMPLS)}")
+        return forced
+    return "native" if kernels.available() else "aten"
+
+
+def _pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    pad = n - t.shape[0]
+    return t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x W^T + b with W stored as a ``QTensor``; subclasses lay it out for their kernels."""
+
+    def __init__(self, q: QTensor, bias: torch.Tensor | None, impl: str | None = None):
+        super().__init__()
+        self.q = q  # canonical form, kept for the reference path, saving and export
+        self.out_features, self.in_features = q.shape
+        self.bias = None if bias is None else torch.nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self.impl = impl or default_impl()
+        if self.impl == "native" and not kernels.available():
+            self.impl = "aten"
+        self._prepare()
+
+    def _prepare(self) -> None:
+        raise NotImplementedError
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize(self.q), self.bias)
+
+    def weight_bytes(self) -> int:
+        """Bytes held at runtime by this module's tensors (its kernel layout plus the canonical copy)."""
+        seen = {}
+        for t in [*self.buffers(), *self.parameters(), self.q.codes, self.q.scale, self.q.zero]:
+            if t is not None:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "reference":
+            return self.reference(x)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        y = self._matmul(x2)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*lead, self.out_features)
+
+
+class Int8Linear(QuantLinear):
+    def _prepare(self):
+        N, K = self.q.shape
+        if self.impl == "native":
+            P = -(-N // PANEL)
+            codes = _pad_rows(self.q.codes, P * PANEL).view(P, PANEL, K)
+            self.register_buffer("panels", codes.transpose(1, 2).contiguous())  # (P, K, 16) int8
+            self.register_buffer("scale32", _pad_rows(self.q.scale.float(), P * PANEL).contiguous())
+        elif self.impl == "aten":
+            self.register_buffer("codes_nk", self.q.codes.contiguous())
+            self.register_buffer("scale32", self.q.scale.float().contiguous())
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.impl == "aten":
+            return torch.ops.aten._weight_int8pack_mm(x2, self.codes_nk, self.scale32)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        kernels.load().qb_gemm_i8(x2.data_ptr(), self.panels.data_ptr(), self.scale32.data_ptr(), y.data_ptr(),
+                                  x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
+        return y
+
+
+class Int4Linear(QuantLinear):
+    def _prepare(self):
+        q = self.q
+        N, K = q.shape
+        G = q.group_size
+        ngroups = q.scale.shape[1]
+        zero = q.zero if q.zero is not None else torch.full_like(q.scale, 8, dtype=torch.uint8)
+        if self.impl == "native":
+            P = -(-N // PANEL)
+            codes = _pad_rows(q.codes[:, :K], P * PANEL).view(P, PANEL, K).transpose(1, 2)  # (P, K, 16)
+            packed = codes[..., :8] | (codes[..., 8:] << 4)  # byte j: column j low, column j + 8 high
+            self.register_buffer("panels", packed.contiguous())  # (P, K, 8) uint8
+            sc = _pad_rows(q.scale, P * PANEL).view(P, PANEL, ngroups).transpose(1, 2)
+            self.register_buffer("scales16", sc.contiguous().view(torch.int16))  # (P, ngroups, 16) fp16 bits
+            zp = _pad_rows(zero, P * PANEL).view(P, PANEL, ngroups).transpose(1, 2)
+            self.register_buffer("zeros8", zp.contiguous())  # (P, ngroups, 16)
+        elif self.impl == "aten":
+            # aten's int4 kernel computes (u - 8) * scale + offset per group: offset = (8 - z) * scale
+            self.k_pad = padded_width(K, G)
+            n16 = -(-N // PANEL) * PANEL  # the aten kernel needs N % 16 == 0
+            self.register_buffer("aten_packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                _pad_rows(q.codes.to(torch.int32), n16).contiguous(), 2))
+            s = _pad_rows(q.scale.float(), n16)
+            offset = (8.0 - _pad_rows(zero, n16).float()) * s
+            self.register_buffer("aten_sz", torch.stack([s.t(), offset.t()], -1).contiguous())  # (ngroups, N, 2)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.impl == "aten":
+            if self.k_pad != self.in_features:
+                x2 = F.pad(x2, (0, self.k_pad - self.in_features))
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.aten_packed, self.q.group_size, self.aten_sz)
+            return y[:, : self.out_features].contiguous() if y.shape[1] != self.out_features else y
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        kernels.load().qb_gemm_i4(x2.data_ptr(), self.panels.data_ptr(), self.scales16.data_ptr(),
+                                  self.zeros8.data_ptr(), y.data_ptr(), x2.shape[0], self.in_features,
+                                  self.out_features, self.q.group_size, torch.get_num_threads())
+        return y
+
+
+def make_qlinear(q: QTensor, bias: torch.Tensor | None, impl: str | None = None) -> QuantLinear:
+    return (Int8Linear if q.bits == 8 else Int4Linear)(q, bias, impl)
