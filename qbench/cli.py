@@ -100,20 +100,49 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
 @click.option("--nocache-batch-sizes", default="1,4", show_default=True,
               help="The no-cache baseline is slow; run it only at these batch sizes.")
 @click.option("--dtype", default="fp32", show_default=True)
+@click.option("--variant", "variants", multiple=True,
+              help="A quantized artifact to run on qbench's engine beside the fp model (repeatable).")
 @click.option("--out", "out_path", type=click.Path(), help="Write the JSON report here.")
-def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, out_path):
+def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, out_path):
     """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
     from qbench.bench.runner import BenchConfig, run_bench
     from qbench.bench.table import render_table
 
     cfg = BenchConfig.parse(model=model, batch_sizes=batch_sizes, prompt_len=prompt_len, gen_len=gen_len,
-                            backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype)
+                            backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype,
+                            variants=variants)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     click.echo(render_table(report))
     if out_path:
         from qbench.paths import atomic_write_text
         atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
         click.echo(f"wrote {out_path}", err=True)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--recipe", required=True, help="A recipe name from recipes/ (e.g. w4g128) or a YAML file.")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="The artifact folder to write.")
+def quantize(model, recipe, out_dir):
+    """Quantize MODEL with a recipe into a self-describing artifact folder."""
+    from qbench.quant.quantize import run_quantize
+
+    m = run_quantize(model, recipe, Path(out_dir), log=lambda s: click.echo(s, err=True))
+    size = m["size"]
+    click.echo(f"wrote {out_dir}: {size['artifact_tensor_bytes'] / 2**20:.1f} MiB of tensors, "
+               f"{size['bits_per_weight']:.3f} bits per quantized weight")
+
+
+@cli.command()
+@click.argument("artifact")
+@click.option("--format", "fmt", default="compressed-tensors", show_default=True,
+              type=click.Choice(["compressed-tensors", "native"]))
+@click.option("--out", "out_dir", required=True, type=click.Path())
+def export(artifact, fmt, out_dir):
+    """Write ARTIFACT as safetensors that transformers and vLLM load (compressed-tensors), or as qbench's own."""
+    from qbench.quant.export import run_export
+
+    click.echo(str(run_export(Path(artifact), fmt, Path(out_dir))))
 
 
 def main(argv=None):

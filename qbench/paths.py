@@ -24,6 +24,7 @@ def atomic_dir(final: Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o755)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

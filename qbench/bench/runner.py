@@ -29,6 +29,7 @@ class BenchConfig:
     backends: tuple[str, ...] = BACKENDS
     nocache_batch_sizes: tuple[int, ...] = (1, 4)
     dtype: str = "fp32"
+    variants: tuple[str, ...] = ()  # quantized artifacts run on qbench's engine beside the fp model
 
     def __post_init__(self):
         for b in self.backends:
@@ -40,7 +41,7 @@ class BenchConfig:
             raise QBenchError("bench: --prompt-len must be >= 1 and --gen-len >= 2")
 
     @classmethod
-    def parse(cls, model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype):
+    def parse(cls, model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants=()):
         def ints(s, name):
             try:
                 return tuple(int(x) for x in s.split(",") if x.strip())
@@ -48,7 +49,8 @@ class BenchConfig:
                 raise QBenchError(f"bench: {name} must be a comma list of integers, got {s!r}") from None
         return cls(model=model, batch_sizes=ints(batch_sizes, "--batch-sizes"), prompt_len=prompt_len,
                    gen_len=gen_len, backends=tuple(b.strip() for b in backends.split(",") if b.strip()),
-                   nocache_batch_sizes=ints(nocache_batch_sizes, "--nocache-batch-sizes"), dtype=dtype)
+                   nocache_batch_sizes=ints(nocache_batch_sizes, "--nocache-batch-sizes"), dtype=dtype,
+                   variants=tuple(variants))
 
 
 def summarize(raw: dict, prompt_tokens: int) -> dict:
@@ -91,7 +93,7 @@ def run_case(case: dict) -> dict:
     B, P, G, backend = case["batch"], case["prompt_len"], case["gen_len"], case["backend"]
     prompts = bench_prompts(tok, B, P)
     dtype = DTYPES[case["dtype"]]
-    res: dict = {"backend": backend, "batch": B}
+    res: dict = {"backend": backend, "label": case["label"], "batch": B}
     if backend in ("qbench", "nocache", "hf"):
         from qbench.engine.engine import Engine
         from qbench.engine.hf_backend import HFBackend, load_hf_model
@@ -103,7 +105,8 @@ def run_case(case: dict) -> dict:
             runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
             res["weight_bytes"] = _unique_bytes(hf.state_dict().values())
         else:
-            model = load_model(folder, dtype)
+            from qbench.quant.artifact import is_artifact, load_artifact
+            model = load_artifact(folder, dtype)[0] if is_artifact(folder) else load_model(folder, dtype)
             runner = Engine(model, max_batch=B) if backend == "qbench" else NoCacheEngine(model)
             res["weight_bytes"] = model.weight_bytes()
         warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -163,9 +166,23 @@ def plan(cfg: BenchConfig) -> tuple[list[dict], list[str]]:
                 continue  # llama-cpp-python's high-level API decodes one sequence
             if backend == "nocache" and b not in cfg.nocache_batch_sizes:
                 continue
-            cases.append({"backend": backend, "batch": b, "model": cfg.model, "prompt_len": cfg.prompt_len,
-                          "gen_len": cfg.gen_len, "dtype": cfg.dtype})
+            cases.append({"backend": backend, "label": backend, "batch": b, "model": cfg.model,
+                          "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "dtype": cfg.dtype})
+    for v in cfg.variants:
+        resolve_model(v)
+        for b in cfg.batch_sizes:
+            cases.append({"backend": "qbench", "label": f"qbench[{_variant_name(v)}]", "batch": b, "model": v,
+                          "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "dtype": cfg.dtype})
     return cases, skipped
+
+
+def _variant_name(spec: str) -> str:
+    from pathlib import Path
+
+    from qbench.quant.artifact import is_artifact, read_manifest
+    from qbench.models.zoo import resolve_model
+    folder = resolve_model(spec)
+    return read_manifest(folder)["recipe"]["name"] if is_artifact(folder) else Path(spec).name
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
@@ -177,7 +194,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     ctx = mp.get_context("spawn")
     results = []
     for i, case in enumerate(cases, 1):
-        log(f"[{i}/{len(cases)}] {case['backend']} batch {case['batch']} ...")
+        log(f"[{i}/{len(cases)}] {case['label']} batch {case['batch']} ...")
         with ctx.Pool(1) as pool:
             results.append(pool.apply(run_case, (case,)))
     _agreement(results)
@@ -194,19 +211,24 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
 
 def _agreement(results: list[dict]) -> None:
     """Record, per case, how many greedy tokens match the hf backend at the same batch size."""
-    ref = {r["batch"]: r["tokens"] for r in results if r["backend"] == "hf"}
+    ref = {r["batch"]: r["tokens"] for r in results if r["label"] == "hf"}
     for r in results:
         toks = r.pop("tokens")
-        if r["batch"] in ref and r["backend"] != "hf":
+        if r["batch"] in ref and r["label"] != "hf":
             pairs = [(a, b) for x, y in zip(toks, ref[r["batch"]]) for a, b in zip(x, y)]
             r["greedy_match_vs_hf"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
 def ratios(results: list[dict]) -> dict:
-    """qbench's decode tok/s over each peer's, per batch size, from this run."""
-    by = {(r["backend"], r["batch"]): r["decode_tok_s"] for r in results}
+    """Decode tok/s ratios from this run: qbench over each peer, and each quantized variant over the
+    fp engine and over llama.cpp, per batch size."""
+    by = {(r["label"], r["batch"]): r["decode_tok_s"] for r in results}
     out = {}
-    for (backend, b), tps in by.items():
-        if backend != "qbench" and ("qbench", b) in by:
-            out[f"qbench/{backend}@{b}"] = by[("qbench", b)] / tps
+    for (label, b), tps in by.items():
+        if label.startswith("qbench["):
+            for ref in ("qbench", "llama.cpp"):
+                if (ref, b) in by:
+                    out[f"{label}/{ref}@{b}"] = tps / by[(ref, b)]
+        elif label != "qbench" and ("qbench", b) in by:
+            out[f"qbench/{label}@{b}"] = by[("qbench", b)] / tps
     return out

@@ -18,7 +18,7 @@ def render_table(report: dict) -> str:
         quarters = "/".join(f"{x:.0f}" for x in r["step_ms_by_quarter"])
         kv = f"{_mb(r.get('kv_bytes_used'))}/{_mb(r.get('kv_bytes_reserved'))}"
         match = r.get("greedy_match_vs_hf")
-        rows.append([r["backend"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}",
+        rows.append([r["label"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}",
                      f"{r['step_ms']['p50']:.1f}", quarters, _mb(r.get("weight_bytes")), kv,
                      _mb(r.get("peak_rss_bytes")), "-" if match is None else f"{match:.0%}"])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]

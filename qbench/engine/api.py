@@ -15,6 +15,7 @@ from qbench.errors import QBenchError
 from qbench.models.config import ModelConfig
 from qbench.models.registry import DTYPES, load_model
 from qbench.models.zoo import resolve_model
+from qbench.quant.artifact import is_artifact, load_artifact
 
 BACKENDS = ("qbench", "hf", "nocache")
 
@@ -57,7 +58,10 @@ class Generator:
             self.backend = HFBackend(load_hf_model(self.folder, torch_dtype), cfg.max_positions,
                                      self.eos_ids(cfg.eos_token_ids), pad_id=self._pad_id(), detokenize=detok)
         else:
-            qmodel = load_model(self.folder, torch_dtype)
+            if is_artifact(self.folder):
+                qmodel, self.manifest = load_artifact(self.folder, torch_dtype)
+            else:
+                qmodel = load_model(self.folder, torch_dtype)
             if backend == "nocache":
                 self.backend = NoCacheEngine(qmodel, detokenize=detok)
             else:

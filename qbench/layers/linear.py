@@ -44,6 +44,13 @@ class Linear(torch.nn.Module):
             return unpack_panels(self.packed, self.out_features).t()
         return self.weight_t.t()
 
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Replace W (out, in) in place of the current layout (a quantizer rescaling columns, say)."""
+        if self.packed is not None:
+            self.packed = torch.nn.Parameter(pack_panels(weight.float()), requires_grad=False)
+        else:
+            self.weight_t = torch.nn.Parameter(weight.t().contiguous(), requires_grad=False)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of W (out, in) for ``ids`` (N,) -> (N, in): a tied lm_head's token embeddings."""
         if self.packed is not None:

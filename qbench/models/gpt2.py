@@ -56,6 +56,24 @@ class GPT2Model(CausalLM):
             self.lm_head = Linear(wte)  # tied: also the token embedding
             self.wte = None
 
+    def untie(self, embedding: torch.Tensor) -> None:
+        if self.wte is None:
+            self.wte = torch.nn.Parameter(embedding.clone(), requires_grad=False)
+
     def embed(self, input_ids, positions):
         tok = self.embed_from_head(input_ids) if self.wte is None else self.wte[input_ids]
         return tok + self.wpe[positions]
+
+    def linear_map(self) -> list[tuple[str, list[tuple[str, int]]]]:
+        cfg, out = self.config, []
+        H = cfg.hidden_size
+        for i in range(cfg.num_layers):
+            p = f"h.{i}."
+            out += [(f"blocks.{i}.qkv", [(p + "attn.c_attn", 3 * H)]), (f"blocks.{i}.o_proj", [(p + "attn.c_proj", H)]),
+                    (f"blocks.{i}.fc", [(p + "mlp.c_fc", cfg.intermediate_size)]),
+                    (f"blocks.{i}.down_proj", [(p + "mlp.c_proj", H)])]
+        return out + [("lm_head", [("lm_head", cfg.vocab_size)])]
+
+    def norm_map(self) -> dict[str, str]:
+        out = {f"blocks.{i}.{m}": f"h.{i}.{m}" for i in range(self.config.num_layers) for m in ("ln_1", "ln_2")}
+        return out | {"final_norm": "ln_f"}

@@ -72,7 +72,29 @@ class LlamaModel(CausalLM):
             self.lm_head = Linear(embed)  # tied: one buffer is both lm_head and the embedding table
             self.embed_tokens = None
 
+    def untie(self, embedding: torch.Tensor) -> None:
+        if self.embed_tokens is None:
+            self.embed_tokens = torch.nn.Parameter(embedding.clone(), requires_grad=False)
+
     def embed(self, input_ids, positions):
         if self.embed_tokens is None:
             return self.embed_from_head(input_ids)
         return self.embed_tokens[input_ids]
+
+    def linear_map(self) -> list[tuple[str, list[tuple[str, int]]]]:
+        """Each linear module -> the Hugging Face projections fused in it, with their row counts."""
+        cfg, out = self.config, []
+        q, kv, I = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        for i in range(cfg.num_layers):
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            out += [(f"blocks.{i}.qkv", [(a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv)]),
+                    (f"blocks.{i}.o_proj", [(a + "o_proj", cfg.hidden_size)]),
+                    (f"blocks.{i}.gate_up", [(m + "gate_proj", I), (m + "up_proj", I)]),
+                    (f"blocks.{i}.down_proj", [(m + "down_proj", cfg.hidden_size)])]
+        return out + [("lm_head", [("lm_head", cfg.vocab_size)])]
+
+    def norm_map(self) -> dict[str, str]:
+        """Norm modules whose weights a quantizer may rescale (AWQ) -> Hugging Face tensor prefix."""
+        out = {f"blocks.{i}.{mod}": f"model.layers.{i}.{hf}" for i in range(self.config.num_layers)
+               for mod, hf in (("input_norm", "input_layernorm"), ("post_norm", "post_attention_layernorm"))}
+        return out | {"final_norm": "model.norm"}

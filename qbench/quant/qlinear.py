@@ -46,7 +46,10 @@ class QuantLinear(torch.nn.Module):
         self.impl = impl or default_impl()
         if self.impl == "native" and not kernels.available():
             self.impl = "aten"
+        self.bits, self.group_size = q.bits, q.group_size
         self._prepare()
+        if self.impl != "reference":
+            self.q = None  # the kernel layout is all that runs; the artifact keeps the canonical codes
 
     def _prepare(self) -> None:
         raise NotImplementedError
@@ -55,9 +58,10 @@ class QuantLinear(torch.nn.Module):
         return F.linear(x, dequantize(self.q), self.bias)
 
     def weight_bytes(self) -> int:
-        """Bytes held at runtime by this module's tensors (its kernel layout plus the canonical copy)."""
+        """Bytes held at runtime by this module's tensors."""
         seen = {}
-        for t in [*self.buffers(), *self.parameters(), self.q.codes, self.q.scale, self.q.zero]:
+        extra = [] if self.q is None else [self.q.codes, self.q.scale, self.q.zero]
+        for t in [*self.buffers(), *self.parameters(), *extra]:
             if t is not None:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())
@@ -124,12 +128,12 @@ class Int4Linear(QuantLinear):
         if self.impl == "aten":
             if self.k_pad != self.in_features:
                 x2 = F.pad(x2, (0, self.k_pad - self.in_features))
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.aten_packed, self.q.group_size, self.aten_sz)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.aten_packed, self.group_size, self.aten_sz)
             return y[:, : self.out_features].contiguous() if y.shape[1] != self.out_features else y
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         kernels.load().qb_gemm_i4(x2.data_ptr(), self.panels.data_ptr(), self.scales16.data_ptr(),
                                   self.zeros8.data_ptr(), y.data_ptr(), x2.shape[0], self.in_features,
-                                  self.out_features, self.q.group_size, torch.get_num_threads())
+                                  self.out_features, self.group_size, torch.get_num_threads())
         return y
 
 

@@ -1,0 +1,188 @@
+"""Quantize a loaded qbench model with a recipe, block by block.
+
+RTN needs no data. AWQ and GPTQ run the calibration windows through the model one block at a
+time: the block's linear inputs are captured, the block is quantized, and its quantized output
+becomes the next block's input (llm-compressor's sequential pipeline).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from qbench.errors import QBenchError
+from qbench.layers.attention import AttnMetadata, build_mask
+from qbench.models.base import CausalLM
+from qbench.quant import awq, gptq
+from qbench.quant.primitives import QTensor, dequantize, quantize_int4, quantize_int8
+from qbench.quant.qlinear import make_qlinear
+from qbench.quant.recipe import Recipe
+
+
+@dataclass
+class QuantResult:
+    qtensors: dict[str, QTensor] = field(default_factory=dict)  # module path -> quantized weight
+    layers: list[dict] = field(default_factory=list)  # per-layer error records
+    seconds: float = 0.0
+
+
+def _get(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    return model.get_submodule(path)
+
+
+def _set(model: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def targets(model: CausalLM, recipe: Recipe) -> list[str]:
+    ws = recipe.weights
+    out = []
+    for path, _ in model.linear_map():
+        if path == "lm_head" and not ws.lm_head:
+            continue
+        if any(s in path for s in ws.skip):
+            continue
+        out.append(path)
+    return out
+
+
+def rtn(W: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> QTensor:
+    return quantize_int8(W) if bits == 8 else quantize_int4(W, group, symmetric)
+
+
+def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None) -> dict:
+    dq = dequantize(q)
+    rec = {"module": path, "shape": list(W.shape), "weight_rel_error": ((dq - W).norm() / W.norm()).item()}
+    if X is not None:
+        ref = X @ W.t()
+        rec["output_rel_error"] = ((X @ dq.t() - ref).norm() / ref.norm()).item()
+    return rec
+
+
+def _block_forward(cfg, block, x: torch.Tensor) -> torch.Tensor:
+    """One block on the cache-free path: x (S, T, H) -> (S, T, H)."""
+    S, T, _ = x.shape
+    meta = AttnMetadata(positions=torch.arange(T).expand(S, T))
+    return block(x, build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window), meta, None)
+
+
+def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, log=print) -> QuantResult:
+    """Quantize ``model`` in place per ``recipe`` (swapping in QuantLinear modules)."""
+    ws = recipe.weights
+    t0 = time.perf_counter()
+    res = QuantResult()
+    todo = targets(model, recipe)
+    if ws.method == "awq" and model.config.family != "llama":
+        raise QBenchError(f"AWQ is implemented for the Llama family; {model.config.model_type} is not; use rtn or gptq")
+    if ws.method == "rtn":
+        for path in todo:
+            lin = _get(model, path)
+            W = lin.weight.float()
+            q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
+            res.qtensors[path] = q
+            res.layers.append(_record(path, W, q, None))
+            if path == "lm_head":
+                model.untie(W)
+            _set(model, path, make_qlinear(q, lin.bias))
+        res.seconds = time.perf_counter() - t0
+        return res
+    if calib is None:
+        raise QBenchError(f"recipe {recipe.name}: {ws.method} needs calibration data")
+    with torch.inference_mode():
+        positions = torch.arange(calib.shape[1]).expand_as(calib)
+        x = model.embed(calib, positions)  # (S, T, H)
+        for bi, block in enumerate(model.blocks):
+            prefix = f"blocks.{bi}."
+            names = [p for p in todo if p.startswith(prefix)]
+            inputs = _capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens)
+            if ws.method == "awq":
+                _awq_block(model, block, bi, inputs, recipe, res)
+            for name in names:
+                lin = _get(model, name)
+                W = lin.weight.float()
+                X = inputs[name[len(prefix):]]
+                if ws.method == "gptq":
+                    H = inputs["H:" + name[len(prefix):]]
+                    q = gptq.gptq_quantize(W, H, ws.bits, ws.group_size, ws.symmetric, recipe.gptq.damp,
+                                           recipe.gptq.block_size, recipe.gptq.act_order)
+                else:
+                    q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
+                res.qtensors[name] = q
+                res.layers.append(_record(name, W, q, X))
+                _set(model, name, make_qlinear(q, lin.bias))
+            x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
+            log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method})")
+        if "lm_head" in todo:
+            lin = model.lm_head
+            W = lin.weight.float()
+            q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
+            res.qtensors["lm_head"] = q
+            res.layers.append(_record("lm_head", W, q, None))
+            model.untie(W)  # the token embedding stays in full precision
+            model.lm_head = make_qlinear(q, lin.bias)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int) -> dict:
+    """Inputs of the named linears of ``block`` on x: a token subsample for AWQ and errors, and the
+    full Hessian (under "H:name") for GPTQ."""
+    store: dict = {}
+    hooks = []
+    g = torch.Generator().manual_seed(0)
+
+    def hook(name):
+        def fn(mod, args, out):
+            xin = args[0].reshape(-1, args[0].shape[-1]).float()
+            store["H:" + name], store["n:" + name] = gptq.hessian_add(store.get("H:" + name), xin,
+                                                                       store.get("n:" + name, 0))
+            keep = xin if xin.shape[0] <= max_tokens else xin[torch.randperm(xin.shape[0], generator=g)[:max_tokens]]
+            store[name] = keep.clone()
+        return fn
+
+    for n in names:
+        hooks.append(block.get_submodule(n).register_forward_hook(hook(n)))
+    try:
+        _block_forward(cfg, block, x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return store
+
+
+def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantResult) -> None:
+    """Search and fold AWQ scales for one Llama block; updates the captured inputs to match."""
+    ws, cfg = recipe.weights, model.config
+    mappings = [("input_norm", ["qkv"], "qkv"), ("post_norm", ["gate_up"], "gate_up"), ("up", ["down_proj"], "down_proj")]
+    if cfg.num_kv_heads == cfg.num_heads:
+        mappings.append(("v", ["o_proj"], "o_proj"))
+    for smooth, balance, xname in mappings:
+        if xname not in inputs:
+            continue
+        X = inputs[xname]
+        W = torch.cat([block.get_submodule(b).weight.float() for b in balance])
+        s, rec = awq.search_scales(X, W, ws.bits, ws.group_size, ws.symmetric, recipe.awq.grid)
+        rec.update({"block": bi, "smooth": smooth, "balance": balance})
+        res.layers.append({"module": f"blocks.{bi}.{balance[0]}", "awq": rec})
+        for b in balance:
+            lin = block.get_submodule(b)
+            lin.set_weight(lin.weight.float() * s)
+        if smooth in ("input_norm", "post_norm"):
+            norm = block.get_submodule(smooth)
+            norm.weight.data = norm.weight.data / s
+        elif smooth == "up":
+            I = block.inter
+            W_gu = block.gate_up.weight.float().clone()
+            W_gu[I:] /= s[:, None]
+            block.gate_up.set_weight(W_gu)
+        elif smooth == "v":
+            nh, nkv, hd = block.nh, block.nkv, block.hd
+            W_qkv = block.qkv.weight.float().clone()
+            W_qkv[(nh + nkv) * hd:] /= s[:, None]
+            block.qkv.set_weight(W_qkv)
+        inputs[xname] = X / s  # the balance layers now see x / s
+        if "H:" + xname in inputs:
+            inputs["H:" + xname] = inputs["H:" + xname] / torch.outer(s, s).double()

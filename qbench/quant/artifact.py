@@ -1,0 +1,180 @@
+"""The quantized artifact: a self-describing folder that qbench's engine loads.
+
+    DIR/model.safetensors  packed integer weights + fp tensors, Hugging Face tensor names
+    DIR/config.json        the source model's config
+    DIR/tokenizer*         the source tokenizer
+    DIR/qbench.json        the manifest: recipe, source sha256, versions, seed, sizes, per-layer errors
+
+A quantized projection NAME is stored as NAME.qweight (INT4: uint8 (N, K_pad/2), two codes per byte,
+even index in the low nibble; INT8: int8 (N, K)), NAME.scales (fp16) and NAME.zeros (uint8, asymmetric
+only). The scheme is recorded in the manifest and in the safetensors metadata, never read from a name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qbench import __version__
+from qbench.errors import QBenchError
+from qbench.models.base import CausalLM
+from qbench.models.config import ModelConfig
+from qbench.models.weights import LazyTensors, Weights, read_header
+from qbench.quant.primitives import QTensor, pack_int4, padded_width, storage_bytes, unpack_int4
+from qbench.quant.qlinear import make_qlinear
+
+FORMAT = "qbench-quant/1"
+MANIFEST = "qbench.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def is_artifact(folder: Path) -> bool:
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def split_rows(q: QTensor, parts: list[tuple[str, int]]) -> dict[str, QTensor]:
+    """A fused QTensor -> one per Hugging Face projection (rows are independent, so this is exact)."""
+    out, r = {}, 0
+    for name, n in parts:
+        rows = slice(r, r + n)
+        out[name] = QTensor(q.bits, q.codes[rows], q.scale[rows], None if q.zero is None else q.zero[rows],
+                            q.group_size, (n, q.shape[1]))
+        r += n
+    return out
+
+
+def qtensor_tensors(name: str, q: QTensor) -> dict[str, torch.Tensor]:
+    t = {f"{name}.qweight": (pack_int4(q.codes) if q.bits == 4 else q.codes).contiguous(),
+         f"{name}.scales": q.scale.contiguous()}
+    if q.zero is not None:
+        t[f"{name}.zeros"] = q.zero.contiguous()
+    return t
+
+
+def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qtensors: dict[str, QTensor],
+                  manifest: dict) -> dict:
+    """Write the artifact into ``out_dir`` (a fresh folder: the caller renames it into place)."""
+    src = LazyTensors(source, torch.float32)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized: dict[str, dict] = {}
+    skip = set()
+    for path, parts in model.linear_map():
+        if path not in qtensors:
+            continue
+        for name, q in split_rows(qtensors[path], parts).items():
+            tensors.update(qtensor_tensors(name, q))
+            quantized[name] = {"shape": list(q.shape), "bytes": storage_bytes(q)}
+            skip.add(name + ".weight")
+    norms = {hf: model.get_submodule(path) for path, hf in model.norm_map().items()}
+    for key in src.keys():
+        bare = key.split(".", 1)[1] if key.startswith(("model.", "transformer.")) and key not in skip else key
+        if key in skip or bare in skip:
+            continue
+        tensors[key] = src.get(key).contiguous()
+    for hf, norm in norms.items():  # AWQ may have rescaled these
+        for key in (hf + ".weight", "transformer." + hf + ".weight"):
+            if key in tensors:
+                tensors[key] = norm.weight.detach().float().contiguous()
+    q_bytes = sum(v["bytes"] for v in quantized.values())
+    q_weights = sum(v["shape"][0] * v["shape"][1] for v in quantized.values())
+    fp_bytes = sum(t.nbytes for k, t in tensors.items() if not k.endswith((".qweight", ".scales", ".zeros")))
+    manifest = dict(manifest, format=FORMAT, scheme=scheme, quantized=quantized, size={
+        "artifact_tensor_bytes": q_bytes + fp_bytes, "quantized_weight_bytes": q_bytes, "fp_tensor_bytes": fp_bytes,
+        "quantized_weights": q_weights, "bits_per_weight": 8 * q_bytes / max(q_weights, 1),
+    }, qbench_version=__version__)
+    meta = {"format": FORMAT, "scheme": json.dumps(scheme, sort_keys=True), "quantized": json.dumps(sorted(quantized))}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
+    shutil.copy(source / "config.json", out_dir / "config.json")
+    for f in TOKENIZER_FILES:
+        if (source / f).is_file():
+            shutil.copy(source / f, out_dir / f)
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict:
+    path = Path(folder) / MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise QBenchError(f"{path}: unreadable manifest ({e}); re-create the artifact with `qbench quantize`") from None
+    if m.get("format") != FORMAT:
+        raise QBenchError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}; re-create the artifact")
+    return m
+
+
+class QuantFactory:
+    """Builds QuantLinear modules for the projections an artifact stores quantized."""
+
+    def __init__(self, scheme: dict, quantized: dict[str, dict], where: str):
+        self.scheme, self.quantized, self.where = scheme, quantized, where
+
+    def is_quantized(self, w: Weights, name: str) -> bool:
+        return self._key(w, name) is not None
+
+    def _key(self, w: Weights, name: str) -> str | None:
+        for k in (w.prefix + name, name):
+            if k in self.quantized:
+                return k
+        return None
+
+    def _qtensor(self, w: Weights, key: str, n: int, k: int) -> QTensor:
+        bits, group, sym = self.scheme["bits"], self.scheme.get("group_size"), self.scheme["symmetric"]
+        kp = padded_width(k, group) if bits == 4 else k
+        ng = kp // group if bits == 4 else None
+        want = {".qweight": (n, kp // 2) if bits == 4 else (n, k), ".scales": (n, ng) if bits == 4 else (n,)}
+        if not sym:
+            want[".zeros"] = (n, ng)
+        got = {}
+        for suffix, shape in want.items():
+            t = w.tensors.get(key + suffix)
+            if t is None or tuple(t.shape) != shape:
+                raise QBenchError(f"{self.where}: the manifest's {bits}-bit scheme needs {key + suffix} of shape "
+                                  f"{shape}, the tensors have {None if t is None else tuple(t.shape)}; the manifest "
+                                  f"does not match the weights: re-create the artifact")
+            got[suffix] = t
+        codes = unpack_int4(got[".qweight"]) if bits == 4 else got[".qweight"].to(torch.int8)
+        return QTensor(bits, codes, got[".scales"].half(), got[".zeros"].to(torch.uint8) if not sym else None,
+                       group if bits == 4 else None, (n, k))
+
+    def __call__(self, w: Weights, names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
+        keys = [self._key(w, n) for n in names]
+        if all(k is None for k in keys):
+            from qbench.models.weights import dense_linear
+            return dense_linear(w, names, shapes, conv1d)
+        if any(k is None for k in keys):
+            raise QBenchError(f"{self.where}: {names} are fused at run time but only some are quantized")
+        qs = [self._qtensor(w, key, n, k) for key, (n, k) in zip(keys, shapes)]
+        q = qs[0] if len(qs) == 1 else QTensor(
+            qs[0].bits, torch.cat([x.codes for x in qs]), torch.cat([x.scale for x in qs]),
+            None if qs[0].zero is None else torch.cat([x.zero for x in qs]), qs[0].group_size,
+            (sum(x.shape[0] for x in qs), qs[0].shape[1]))
+        biases = [w.maybe(n + ".bias") for n in names]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(s[0]) for b, s in zip(biases, shapes)])
+        return make_qlinear(q, bias)
+
+
+def load_artifact(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, dict]:
+    from qbench.models.registry import load_model
+
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    header, _ = read_header(folder / "model.safetensors")
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT or json.loads(meta.get("scheme", "null")) != manifest.get("scheme"):
+        raise QBenchError(f"{folder}: the safetensors metadata does not match {MANIFEST} (scheme or format "
+                          f"differ); re-create the artifact with `qbench quantize`")
+    listed = set(json.loads(meta.get("quantized", "[]")))
+    if listed != set(manifest.get("quantized", {})):
+        raise QBenchError(f"{folder}: {MANIFEST} and model.safetensors list different quantized tensors; "
+                          f"re-create the artifact")
+    ModelConfig.from_folder(folder)
+    factory = QuantFactory(manifest["scheme"], manifest.get("quantized", {}), str(folder))
+    model = load_model(folder, dtype, tensors=LazyTensors(folder, dtype), factory=factory)
+    return model, manifest

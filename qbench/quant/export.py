@@ -1,0 +1,124 @@
+"""`qbench export ARTIFACT --format compressed-tensors|native --out DIR`.
+
+compressed-tensors ``pack-quantized`` (W4A16 / W8A16), as transformers and vLLM load it:
+per linear ``weight_packed`` (int32, codes offset to unsigned and packed little-end first along the
+input dimension: 8 per word at 4 bits, 4 per word at 8 bits), ``weight_scale``, ``weight_zero_point``
+(asymmetric only, packed along the output dimension) and ``weight_shape``, with
+``quantization_config`` in config.json. qbench's unsigned codes with the even index in the low
+nibble are exactly those words read little-endian.
+
+compressed-tensors requires the input width to be a multiple of the group size. Where it is not
+(SmolLM2's 576 with g128), the layer is exported at the largest group size that divides its width
+(64 there) with each scale repeated across the sub-groups of a group, which dequantizes to the
+same weights bit for bit; its config group records the group size actually used.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from qbench.errors import QBenchError
+from qbench.models.weights import LazyTensors
+from qbench.paths import atomic_dir
+from qbench.quant.artifact import MANIFEST, TOKENIZER_FILES, QuantFactory, read_manifest
+from qbench.quant.primitives import QTensor
+
+FORMATS = ("compressed-tensors", "native")
+
+
+def _pack_words(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """(R, C) unsigned codes -> (R, ceil(C * bits / 32)) int32, element i at bit (i * bits) % 32."""
+    per = 32 // bits
+    R, C = u.shape
+    pad = (-C) % per
+    u = torch.nn.functional.pad(u.to(torch.int64), (0, pad)).view(R, -1, per)
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    words = (u << shifts).sum(-1)
+    return words.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else \
+        torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def export_group(k: int, group: int) -> int:
+    g = group
+    while k % g:
+        g //= 2
+    return g
+
+
+def ct_tensors(name: str, q: QTensor) -> tuple[dict[str, torch.Tensor], int | None]:
+    """compressed-tensors tensors for one projection, and the group size they use."""
+    N, K = q.shape
+    if q.bits == 8:
+        u = (q.codes.to(torch.int16) + 128).to(torch.uint8)
+        t = {f"{name}.weight_packed": _pack_words(u, 8), f"{name}.weight_scale": q.scale.float()[:, None]}
+        t[f"{name}.weight_shape"] = torch.tensor([N, K], dtype=torch.int64)
+        return t, None
+    g = export_group(K, q.group_size)
+    rep = q.group_size // g
+    n_sub = K // g
+    scale = q.scale.float().repeat_interleave(rep, dim=1)[:, :n_sub]
+    t = {f"{name}.weight_packed": _pack_words(q.codes[:, :K], 4), f"{name}.weight_scale": scale.contiguous(),
+         f"{name}.weight_shape": torch.tensor([N, K], dtype=torch.int64)}
+    if q.zero is not None:
+        zero = q.zero.repeat_interleave(rep, dim=1)[:, :n_sub]
+        t[f"{name}.weight_zero_point"] = _pack_words(zero.t().contiguous(), 4).t().contiguous()
+    return t, g
+
+
+def run_export(artifact: Path, fmt: str, out: Path) -> Path:
+    artifact, out = Path(artifact), Path(out)
+    if fmt not in FORMATS:
+        raise QBenchError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if not (artifact / MANIFEST).is_file():
+        raise QBenchError(f"{artifact}: not a qbench artifact (no {MANIFEST}); make one with `qbench quantize`")
+    manifest = read_manifest(artifact)
+    if fmt == "native":
+        with atomic_dir(out) as tmp:
+            for f in artifact.iterdir():
+                if f.is_file():
+                    shutil.copy(f, tmp / f.name)
+        return out
+    scheme = manifest.get("scheme")
+    if scheme is None:
+        raise QBenchError(f"{artifact}: has no quantized weights; compressed-tensors export needs a weight scheme")
+    src = LazyTensors(artifact, torch.float32)
+    factory = QuantFactory(scheme, manifest["quantized"], str(artifact))
+    tensors: dict[str, torch.Tensor] = {}
+    groups: dict[int | None, list[str]] = {}
+    from qbench.models.weights import Weights
+    w = Weights(src, str(artifact))
+    for name, info in manifest["quantized"].items():
+        n, k = info["shape"]
+        q = factory._qtensor(w, name, n, k)
+        t, g = ct_tensors(name, q)
+        tensors.update(t)
+        groups.setdefault(g, []).append(name)
+    skip = tuple(f"{n}.{s}" for n in manifest["quantized"] for s in ("qweight", "scales", "zeros"))
+    for key in src.keys():
+        if key not in skip:
+            tensors[key] = src.get(key).contiguous()
+    config = json.loads((artifact / "config.json").read_text())
+    config_groups = {}
+    for i, (g, names) in enumerate(sorted(groups.items(), key=lambda kv: -(kv[0] or 0))):
+        weights = {"num_bits": scheme["bits"], "type": "int", "symmetric": scheme["symmetric"],
+                   "strategy": "channel" if g is None else "group", "group_size": g, "dynamic": False,
+                   "observer": "minmax", "actorder": None}
+        config_groups[f"group_{i}"] = {"targets": sorted(names), "weights": weights, "input_activations": None,
+                                       "output_activations": None}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": config_groups, "ignore": ["lm_head"] if "lm_head" not in manifest["quantized"] else [],
+        "kv_cache_scheme": None, "global_compression_ratio": None,
+    }
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in TOKENIZER_FILES:
+            if (artifact / f).is_file():
+                shutil.copy(artifact / f, tmp / f)
+    return out

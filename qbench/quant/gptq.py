@@ -1,0 +1,106 @@
+"""GPTQ: quantize one column at a time and push its error onto the columns not yet quantized,
+weighted by the inverse Hessian of the layer's calibration inputs (Frantar et al., 2022).
+
+H = X^T X / n from calibration inputs; 1% damping of the mean diagonal; lazy updates in blocks of
+128 columns; act-order (columns by decreasing Hessian diagonal) as an option. With act-order the
+group parameters are fixed from the original weights ("static groups") so that groups stay
+contiguous runs of input channels, as the packed layout requires.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qbench.quant.primitives import QTensor, int4_params, padded_width
+
+
+def _params(w: torch.Tensor, bits: int, group: int | None, symmetric: bool):
+    """Scale and zero for a slice (N, cols), as (N, 1) float tensors; zero is None when symmetric."""
+    if bits == 8:
+        return (w.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-8).half().float(), None
+    s, z = int4_params(w, w.shape[1], symmetric) if w.shape[1] in (32, 64, 128) else int4_params(
+        torch.nn.functional.pad(w, (0, group - w.shape[1])), group, symmetric)
+    return s.float(), (None if z is None else z.float())
+
+
+def _quant_col(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: int):
+    """Column (N,) -> (codes, dequantized) under (N,) scale/zero."""
+    if bits == 8:
+        q = torch.clamp(torch.round(w / s), -127, 127)
+        return q, q * s
+    if z is None:
+        q = torch.clamp(torch.round(w / s), -8, 7)
+        return q + 8, q * s
+    q = torch.clamp(torch.round(w / s) + z, 0, 15)
+    return q, (q - z) * s
+
+
+def hessian_add(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Running mean of x^T x over calibration tokens; x (..., K)."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    m = x.shape[0]
+    H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64) if H is None else H
+    H *= n / (n + m)
+    H += x.t() @ x / (n + m)
+    return H, n + m
+
+
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group: int | None, symmetric: bool,
+                  damp: float = 0.01, block: int = 128, act_order: bool = False) -> QTensor:
+    N, K = W.shape
+    W = W.clone().double()
+    H = H.clone().double()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    G = group if bits == 4 else None
+    Kp = padded_width(K, G) if G else K
+    ngroups = Kp // G if G else 1
+    scales = torch.zeros(N, ngroups, dtype=torch.float64)
+    zeros = None if (bits == 8 or symmetric) else torch.zeros(N, ngroups, dtype=torch.float64)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
+    static = act_order or bits == 8
+    if static:  # parameters from the original weights, per original group (or per row for INT8)
+        for g in range(ngroups):
+            cols = slice(g * G, min((g + 1) * G, K)) if G else slice(0, K)
+            s, z = _params(W[:, cols].float(), bits, G, symmetric)
+            scales[:, g] = s[:, 0].double()
+            if zeros is not None:
+                zeros[:, g] = z[:, 0].double()
+    W, H = W[:, perm], H[perm][:, perm]
+    H += damp * torch.mean(torch.diag(H)) * torch.eye(K, dtype=torch.float64)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    codes = torch.zeros(N, K, dtype=torch.float64)
+    for i1 in range(0, K, block):
+        i2 = min(i1 + block, K)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = int(perm[i1 + i])  # original input channel
+            g = col // G if G else 0
+            if not static and col % G == 0:  # entering a group: parameters from the updated weights
+                width = min(G, K - col)
+                s, z = _params(W1[:, i: i + width].float() if i + width <= i2 - i1 else
+                               torch.cat([W1[:, i:], W[:, i2: i1 + i + width]], 1).float(), bits, G, symmetric)
+                scales[:, g] = s[:, 0].double()
+                if zeros is not None:
+                    zeros[:, g] = z[:, 0].double()
+            s = scales[:, g]
+            z = None if zeros is None else zeros[:, g]
+            q, dq = _quant_col(W1[:, i], s, z, bits)
+            codes[:, i1 + i] = q
+            err = (W1[:, i] - dq) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    inv = torch.argsort(perm)
+    codes = codes[:, inv]
+    if bits == 8:
+        return QTensor(8, codes.to(torch.int8), scales[:, 0].half(), None, None, (N, K))
+    pad_code = 8 if zeros is None else 0
+    full = torch.full((N, Kp), pad_code, dtype=torch.float64)
+    full[:, :K] = codes
+    if zeros is not None:  # padded columns must dequantize to exactly zero
+        full[:, K:] = zeros[:, -1:].expand(N, Kp - K)
+    return QTensor(4, full.to(torch.uint8), scales.half(), None if zeros is None else zeros.to(torch.uint8), G, (N, K))

@@ -1,0 +1,74 @@
+"""`qbench quantize MODEL --recipe R --out DIR`: load, calibrate, quantize, write atomically."""
+
+from __future__ import annotations
+
+import platform
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from qbench import __version__
+from qbench.errors import QBenchError
+from qbench.models.weights import weight_files
+from qbench.models.zoo import SOURCE_FILE, resolve_model, sha256_file
+from qbench.paths import atomic_dir
+from qbench.quant.apply import quantize_model
+from qbench.quant.artifact import is_artifact, save_artifact
+from qbench.quant.calibration import calibration_windows
+from qbench.quant.recipe import Recipe, load_recipe
+
+
+def versions() -> dict:
+    import transformers
+    return {"qbench": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def source_sha256(folder: Path) -> str:
+    files = weight_files(folder)
+    return sha256_file(files[0]) if len(files) == 1 else ",".join(sha256_file(f) for f in files)
+
+
+def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print) -> dict:
+    from qbench.engine.api import load_tokenizer
+    from qbench.models.registry import load_model
+
+    recipe: Recipe = load_recipe(recipe_spec)
+    folder = resolve_model(model_spec)
+    if is_artifact(folder):
+        raise QBenchError(f"{model_spec}: already a quantized artifact; quantize the fp source model instead")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not is_artifact(out):
+        raise QBenchError(f"{out}: exists and is not a qbench artifact; choose another --out")
+    tok = load_tokenizer(folder)
+    model = load_model(folder, torch.float32)
+    torch.manual_seed(recipe.calibration.seed)
+    calib, calib_record = None, None
+    if recipe.needs_calibration:
+        calib, calib_record = calibration_windows(tok, recipe.calibration)
+        log(f"calibration: {calib.shape[0]} windows of {calib.shape[1]} tokens from {recipe.calibration.data}")
+    result = None
+    if recipe.weights is not None:
+        log(f"quantizing weights: {recipe.weights.method} {recipe.weights.bits}-bit"
+            + (f" g{recipe.weights.group_size}" if recipe.weights.bits == 4 else ""))
+        result = quantize_model(model, recipe, calib, log=log)
+    scheme = None if recipe.weights is None else {
+        "bits": recipe.weights.bits, "group_size": recipe.weights.group_size,
+        "symmetric": recipe.weights.symmetric, "method": recipe.weights.method, "scale_dtype": "float16",
+        "packing": "int4: two codes per byte along the input dimension, even index in the low nibble, "
+                   "unsigned codes (symmetric offset by 8)" if recipe.weights.bits == 4 else "int8 codes"}
+    src_record = {"model": model_spec, "folder": str(folder), "sha256": source_sha256(folder)}
+    if (folder / SOURCE_FILE).is_file():
+        import json
+        src_record["provenance"] = json.loads((folder / SOURCE_FILE).read_text())
+    manifest = {
+        "recipe": recipe.to_dict(), "source": src_record, "versions": versions(), "seed": recipe.calibration.seed,
+        "calibration": calib_record, "layers": [] if result is None else result.layers,
+        "quantize_seconds": None if result is None else round(result.seconds, 2),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "kv": recipe.kv,
+    }
+    with atomic_dir(out) as tmp:
+        manifest = save_artifact(model, folder, tmp, scheme, {} if result is None else result.qtensors, manifest)
+    return manifest

@@ -1,0 +1,160 @@
+"""Quantization recipes: small dataclasses, validated on construction, loaded from YAML.
+
+Every error names the file and the field, e.g. ``recipes/x.yaml: weights.group_size: 96 is not
+supported (supported: 32, 64, 128)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from qbench.errors import QBenchError
+from qbench.quant.primitives import GROUP_SIZES
+
+METHODS = ("rtn", "awq", "gptq")
+
+
+class RecipeError(QBenchError):
+    pass
+
+
+def _check_keys(where: str, section: str, data: dict, cls) -> None:
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: {section} must be a mapping, got {type(data).__name__}")
+    allowed = {f.name for f in fields(cls)}
+    for key in data:
+        if key not in allowed:
+            raise RecipeError(f"{where}: unknown key {section + '.' if section else ''}{key} "
+                              f"(allowed: {', '.join(sorted(allowed))})")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    bits: int = 4
+    group_size: int | None = 128
+    symmetric: bool = True
+    method: str = "rtn"
+    lm_head: bool = False  # quantize the output head too
+    skip: tuple[str, ...] = ()  # module-name substrings kept in full precision
+
+    def validate(self, where: str) -> None:
+        if self.bits not in (4, 8):
+            raise RecipeError(f"{where}: weights.bits: {self.bits!r} is not supported (supported: 4, 8)")
+        if self.bits == 4 and self.group_size not in GROUP_SIZES:
+            raise RecipeError(f"{where}: weights.group_size: {self.group_size!r} is not supported "
+                              f"(supported: {', '.join(map(str, GROUP_SIZES))})")
+        if self.bits == 8 and (self.group_size is not None or not self.symmetric):
+            raise RecipeError(f"{where}: weights: INT8 is symmetric per output channel; drop group_size and "
+                              f"symmetric")
+        if self.method not in METHODS:
+            raise RecipeError(f"{where}: weights.method: {self.method!r} is not one of {', '.join(METHODS)}")
+        if not isinstance(self.symmetric, bool) or not isinstance(self.lm_head, bool):
+            raise RecipeError(f"{where}: weights.symmetric and weights.lm_head must be true or false")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    data: str = "evals/data/wikitext-2-raw/wiki.valid.raw"
+    samples: int = 32
+    seq_len: int = 512
+    seed: int = 0
+
+    def validate(self, where: str) -> None:
+        if "wiki.test" in self.data:
+            raise RecipeError(f"{where}: calibration.data: {self.data} is a test split; calibrate on "
+                              f"WikiText-2 valid, never on what is evaluated")
+        for name in ("samples", "seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise RecipeError(f"{where}: calibration.{name}: {v!r} must be a positive integer")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise RecipeError(f"{where}: calibration.seed: {self.seed!r} must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+
+    def validate(self, where: str) -> None:
+        if not 0 < self.damp < 1:
+            raise RecipeError(f"{where}: gptq.damp: {self.damp!r} must be in (0, 1)")
+        if self.block_size < 1:
+            raise RecipeError(f"{where}: gptq.block_size: {self.block_size!r} must be >= 1")
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    grid: int = 20
+    max_tokens: int = 4096  # calibration tokens kept per layer for the scale search
+
+    def validate(self, where: str) -> None:
+        if self.grid < 1 or self.max_tokens < 1:
+            raise RecipeError(f"{where}: awq.grid and awq.max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str = ""
+    weights: WeightScheme | None = None  # None: weights stay in full precision
+    calibration: Calibration = field(default_factory=Calibration)
+    gptq: GPTQOptions = field(default_factory=GPTQOptions)
+    awq: AWQOptions = field(default_factory=AWQOptions)
+    kv: dict | None = None  # the quantized KV cache section (validated by the KV-cache code)
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.weights is not None and self.weights.method != "rtn"
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)
+
+
+SECTIONS = {"weights": WeightScheme, "calibration": Calibration, "gptq": GPTQOptions, "awq": AWQOptions}
+
+
+def recipe_from_dict(data: dict, where: str) -> Recipe:
+    _check_keys(where, "", data, Recipe)
+    if "name" not in data or not isinstance(data["name"], str):
+        raise RecipeError(f"{where}: missing string field 'name'")
+    kwargs = {"name": data["name"], "description": str(data.get("description", ""))}
+    for section, cls in SECTIONS.items():
+        if data.get(section) is None:
+            continue
+        raw = dict(data[section])
+        _check_keys(where, section, raw, cls)
+        if "skip" in raw:
+            raw["skip"] = tuple(raw["skip"])
+        try:
+            obj = cls(**raw)
+        except TypeError as e:
+            raise RecipeError(f"{where}: {section}: {e}") from None
+        obj.validate(where)
+        kwargs[section] = obj
+    if data.get("kv") is not None:
+        if not isinstance(data["kv"], dict):
+            raise RecipeError(f"{where}: kv must be a mapping")
+        kwargs["kv"] = dict(data["kv"])
+    return Recipe(**kwargs)
+
+
+def load_recipe(spec: str, recipes_dir: Path | None = None) -> Recipe:
+    """A recipe by file path, or by name from the project's recipes/ folder."""
+    path = Path(spec)
+    if not path.suffix:
+        path = (recipes_dir or Path(__file__).resolve().parents[2] / "recipes") / f"{spec}.yaml"
+    if not path.is_file():
+        raise RecipeError(f"{spec}: no such recipe; give a YAML file or a name from recipes/")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping")
+    return recipe_from_dict(data, str(path))
