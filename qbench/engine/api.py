@@ -49,19 +49,25 @@ class Generator:
         if dtype not in DTYPES:
             raise QBenchError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         self.folder = resolve_model(model)
-        cfg = ModelConfig.from_folder(self.folder)  # the config's errors come before the tokenizer's
-        self.tokenizer = load_tokenizer(self.folder)
+        cfg = ModelConfig.from_folder(self.folder)  # config and weight errors come before the tokenizer's
         torch_dtype = DTYPES[dtype]
         self.max_batch = max_batch
+        self.manifest = None
+        qmodel = None
+        if backend != "hf":
+            if is_artifact(self.folder):
+                qmodel, self.manifest = load_artifact(self.folder, torch_dtype)
+            else:
+                qmodel = load_model(self.folder, torch_dtype)
+        elif is_artifact(self.folder):
+            raise QBenchError(f"{self.folder}: a qbench artifact runs on qbench's engine; export it with "
+                              f"`qbench export` for transformers, or drop --backend hf")
+        self.tokenizer = load_tokenizer(self.folder)
         detok = self.detokenize
         if backend == "hf":
             self.backend = HFBackend(load_hf_model(self.folder, torch_dtype), cfg.max_positions,
                                      self.eos_ids(cfg.eos_token_ids), pad_id=self._pad_id(), detokenize=detok)
         else:
-            if is_artifact(self.folder):
-                qmodel, self.manifest = load_artifact(self.folder, torch_dtype)
-            else:
-                qmodel = load_model(self.folder, torch_dtype)
             if backend == "nocache":
                 self.backend = NoCacheEngine(qmodel, detokenize=detok)
             else:

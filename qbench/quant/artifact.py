@@ -108,6 +108,18 @@ def read_manifest(folder: Path) -> dict:
     return m
 
 
+def expected_shapes(scheme: dict, n: int, k: int) -> dict[str, tuple[int, ...]]:
+    """The stored tensors of one quantized projection (N, K) under ``scheme``."""
+    bits, group = scheme["bits"], scheme.get("group_size")
+    if bits == 8:
+        return {".qweight": (n, k), ".scales": (n,)}
+    kp = padded_width(k, group)
+    out = {".qweight": (n, kp // 2), ".scales": (n, kp // group)}
+    if not scheme["symmetric"]:
+        out[".zeros"] = (n, kp // group)
+    return out
+
+
 class QuantFactory:
     """Builds QuantLinear modules for the projections an artifact stores quantized."""
 
@@ -125,13 +137,8 @@ class QuantFactory:
 
     def _qtensor(self, w: Weights, key: str, n: int, k: int) -> QTensor:
         bits, group, sym = self.scheme["bits"], self.scheme.get("group_size"), self.scheme["symmetric"]
-        kp = padded_width(k, group) if bits == 4 else k
-        ng = kp // group if bits == 4 else None
-        want = {".qweight": (n, kp // 2) if bits == 4 else (n, k), ".scales": (n, ng) if bits == 4 else (n,)}
-        if not sym:
-            want[".zeros"] = (n, ng)
         got = {}
-        for suffix, shape in want.items():
+        for suffix, shape in expected_shapes(self.scheme, n, k).items():
             t = w.tensors.get(key + suffix)
             if t is None or tuple(t.shape) != shape:
                 raise QBenchError(f"{self.where}: the manifest's {bits}-bit scheme needs {key + suffix} of shape "
@@ -174,6 +181,15 @@ def load_artifact(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[Cau
     if listed != set(manifest.get("quantized", {})):
         raise QBenchError(f"{folder}: {MANIFEST} and model.safetensors list different quantized tensors; "
                           f"re-create the artifact")
+    scheme = manifest["scheme"]
+    for name, info in manifest.get("quantized", {}).items():
+        n, k = info["shape"]
+        for suffix, shape in expected_shapes(scheme, n, k).items():
+            got = header.get(name + suffix, {}).get("shape")
+            if got is None or tuple(got) != shape:
+                raise QBenchError(f"{folder}: {MANIFEST} says {name} is {n}x{k} ({scheme['bits']}-bit), so "
+                                  f"{name + suffix} should be {shape}, but the tensors have {got}; the manifest "
+                                  f"does not match the weights: re-create the artifact")
     ModelConfig.from_folder(folder)
     factory = QuantFactory(manifest["scheme"], manifest.get("quantized", {}), str(folder))
     model = load_model(folder, dtype, tensors=LazyTensors(folder, dtype), factory=factory)

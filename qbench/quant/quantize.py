@@ -41,12 +41,11 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print) -> dic
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not is_artifact(out):
         raise QBenchError(f"{out}: exists and is not a qbench artifact; choose another --out")
-    tok = load_tokenizer(folder)
     model = load_model(folder, torch.float32)
     torch.manual_seed(recipe.calibration.seed)
     calib, calib_record = None, None
     if recipe.needs_calibration:
-        calib, calib_record = calibration_windows(tok, recipe.calibration)
+        calib, calib_record = calibration_windows(load_tokenizer(folder), recipe.calibration)
         log(f"calibration: {calib.shape[0]} windows of {calib.shape[1]} tokens from {recipe.calibration.data}")
     result = None
     if recipe.weights is not None:

@@ -1,0 +1,74 @@
+"""qbench export: compressed-tensors pack-quantized that transformers loads, checked against the engine."""
+
+import json
+
+import pytest
+import torch
+
+from qbench.layers.attention import AttnMetadata
+from qbench.quant.artifact import load_artifact
+from qbench.quant.export import run_export
+from qbench.quant.quantize import run_quantize
+
+ct = pytest.importorskip("compressed_tensors")
+
+
+def engine_logits(model, ids):
+    return model(ids, AttnMetadata(positions=torch.arange(ids.shape[1]).expand(ids.shape[0], -1)))
+
+
+@pytest.mark.parametrize("recipe", ["w8", "w4g64", "w4g128"])
+def test_transformers_loads_the_export_and_matches_the_engine(tiny_models, tmp_path, recipe):
+    from transformers import AutoModelForCausalLM
+    folder, _ = tiny_models["llama"]
+    art, out = tmp_path / "art", tmp_path / "ct"
+    run_quantize(str(folder), recipe, art, log=lambda s: None)
+    run_export(art, "compressed-tensors", out)
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["format"] == "pack-quantized" and cfg["quant_method"] == "compressed-tensors"
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    ids = torch.randint(2, 128, (2, 15), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits
+    got = engine_logits(load_artifact(art)[0], ids)
+    assert (got - ref).abs().max() < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_export_layout_of_an_asymmetric_and_padded_artifact(tiny_models, tmp_path):
+    """g128 on a width of 96 (not a multiple): exported as g32 with repeated scales; asymmetric zero points
+    packed along the output dimension. compressed-tensors' own decompressor must give back our weights."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+    folder, _ = tiny_models["llama"]
+    art, out = tmp_path / "art", tmp_path / "ct"
+    run_quantize(str(folder), "w4g128-asym", art, log=lambda s: None)
+    run_export(art, "compressed-tensors", out)
+    tensors = load_file(str(out / "model.safetensors"))
+    model = load_artifact(art)[0]
+    name = "model.layers.0.mlp.down_proj"  # (64, 96): 96 is not a multiple of 128
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = next(g["weights"]["group_size"] for g in cfg["config_groups"].values() if name in g["targets"])
+    assert group == 32
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=group))
+    sd = {k.split(name + ".")[1]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    dense = PackedQuantizationCompressor.decompress(sd, scheme)["weight"]
+    import os
+    os.environ["QBENCH_QLINEAR"] = "reference"
+    try:
+        ours = load_artifact(art)[0].blocks[0].down_proj
+        from qbench.quant.primitives import dequantize
+        assert torch.allclose(dense.float(), dequantize(ours.q), atol=1e-6)
+    finally:
+        del os.environ["QBENCH_QLINEAR"]
+    assert model is not None
+
+
+def test_native_export_copies_the_artifact(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    run_quantize(str(folder), "w4g64", tmp_path / "a", log=lambda s: None)
+    run_export(tmp_path / "a", "native", tmp_path / "n")
+    assert (tmp_path / "n" / "qbench.json").read_text() == (tmp_path / "a" / "qbench.json").read_text()
+    load_artifact(tmp_path / "n")
