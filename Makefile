@@ -22,7 +22,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(QBENCH) pull $(MODEL)
 	$(QBENCH) generate $(MODEL) --chat --max-new-tokens 48 "Explain in two sentences why a KV cache speeds up text generation."
-	$(QBENCH) bench $(MODEL) --out artifacts/bench/$(MODEL).json
+	$(QBENCH) quantize $(MODEL) --recipe w8 --out artifacts/quant/w8
+	$(QBENCH) quantize $(MODEL) --recipe w4g64 --out artifacts/quant/w4g64
+	$(QBENCH) quantize $(MODEL) --recipe w4g64-head --out artifacts/quant/w4g64-head
+	$(QBENCH) bench $(MODEL) --variant artifacts/quant/w8 --variant artifacts/quant/w4g64 \
+		--variant artifacts/quant/w4g64-head --out artifacts/bench/$(MODEL).json
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

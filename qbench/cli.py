@@ -102,15 +102,18 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
 @click.option("--dtype", default="fp32", show_default=True)
 @click.option("--variant", "variants", multiple=True,
               help="A quantized artifact to run on qbench's engine beside the fp model (repeatable).")
+@click.option("--qlinear", default="native", show_default=True,
+              help="Low-bit kernels for the variants, comma list of native, aten, reference.")
 @click.option("--out", "out_path", type=click.Path(), help="Write the JSON report here.")
-def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, out_path):
+def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, qlinear,
+          out_path):
     """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
     from qbench.bench.runner import BenchConfig, run_bench
     from qbench.bench.table import render_table
 
     cfg = BenchConfig.parse(model=model, batch_sizes=batch_sizes, prompt_len=prompt_len, gen_len=gen_len,
                             backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype,
-                            variants=variants)
+                            variants=variants, qlinear=qlinear)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     click.echo(render_table(report))
     if out_path:

@@ -31,3 +31,19 @@ def test_bench_reports_speed_memory_and_agreement(tmp_path, smollm2):
     for key in [("qbench", 1), ("qbench", 2), ("hf-generate", 2), ("nocache", 1)]:
         assert cases[key]["greedy_match_vs_hf"] == 1.0
     assert set(report["ratios"]) >= {"qbench/hf@1", "qbench/hf-generate@2", "qbench/nocache@1"}
+
+
+def test_bench_runs_quantized_variants_beside_the_fp_engine(tmp_path, smollm2):
+    from qbench.quant.quantize import run_quantize
+    run_quantize(SMOL, "w4g64", tmp_path / "w4g64", log=lambda s: None)
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qbench", "bench", SMOL, "--batch-sizes", "1", "--prompt-len", "16", "--gen-len", "5",
+         "--backends", "qbench", "--variant", str(tmp_path / "w4g64"), "--qlinear", "native,aten", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    labels = {r["label"]: r for r in report["results"]}
+    assert set(labels) == {"qbench", "qbench[w4g64]", "qbench[w4g64/aten]"}
+    assert labels["qbench[w4g64]"]["weight_bytes"] < labels["qbench"]["weight_bytes"] / 2
+    assert {"qbench[w4g64]/qbench@1", "qbench[w4g64/aten]/qbench@1"} <= set(report["ratios"])

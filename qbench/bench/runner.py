@@ -30,6 +30,7 @@ class BenchConfig:
     nocache_batch_sizes: tuple[int, ...] = (1, 4)
     dtype: str = "fp32"
     variants: tuple[str, ...] = ()  # quantized artifacts run on qbench's engine beside the fp model
+    qlinear: tuple[str, ...] = ("native",)  # which low-bit kernels run the variants (see quant/qlinear.py)
 
     def __post_init__(self):
         for b in self.backends:
@@ -37,11 +38,15 @@ class BenchConfig:
                 raise QBenchError(f"bench: unknown backend {b!r}; choose from {', '.join(BACKENDS)}")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise QBenchError("bench: --batch-sizes must be positive integers, e.g. 1,4,8,16")
+        for q in self.qlinear:
+            if q not in ("native", "aten", "reference"):
+                raise QBenchError(f"bench: --qlinear {q!r}; choose from native, aten, reference")
         if self.prompt_len < 1 or self.gen_len < 2:
             raise QBenchError("bench: --prompt-len must be >= 1 and --gen-len >= 2")
 
     @classmethod
-    def parse(cls, model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants=()):
+    def parse(cls, model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants=(),
+              qlinear="native"):
         def ints(s, name):
             try:
                 return tuple(int(x) for x in s.split(",") if x.strip())
@@ -50,7 +55,7 @@ class BenchConfig:
         return cls(model=model, batch_sizes=ints(batch_sizes, "--batch-sizes"), prompt_len=prompt_len,
                    gen_len=gen_len, backends=tuple(b.strip() for b in backends.split(",") if b.strip()),
                    nocache_batch_sizes=ints(nocache_batch_sizes, "--nocache-batch-sizes"), dtype=dtype,
-                   variants=tuple(variants))
+                   variants=tuple(variants), qlinear=tuple(x.strip() for x in qlinear.split(",") if x.strip()))
 
 
 def summarize(raw: dict, prompt_tokens: int) -> dict:
@@ -88,6 +93,9 @@ def run_case(case: dict) -> dict:
     from qbench.models.registry import DTYPES, load_model
     from qbench.models.zoo import gguf_path, resolve_model
 
+    if "qlinear" in case:
+        import os
+        os.environ["QBENCH_QLINEAR"] = case["qlinear"]
     folder = resolve_model(case["model"])
     tok = load_tokenizer(folder)
     B, P, G, backend = case["batch"], case["prompt_len"], case["gen_len"], case["backend"]
@@ -170,9 +178,12 @@ def plan(cfg: BenchConfig) -> tuple[list[dict], list[str]]:
                           "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "dtype": cfg.dtype})
     for v in cfg.variants:
         resolve_model(v)
-        for b in cfg.batch_sizes:
-            cases.append({"backend": "qbench", "label": f"qbench[{_variant_name(v)}]", "batch": b, "model": v,
-                          "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "dtype": cfg.dtype})
+        for impl in cfg.qlinear:
+            suffix = "" if impl == "native" else f"/{impl}"
+            for b in cfg.batch_sizes:
+                cases.append({"backend": "qbench", "label": f"qbench[{_variant_name(v)}{suffix}]", "batch": b,
+                              "model": v, "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len,
+                              "dtype": cfg.dtype, "qlinear": impl})
     return cases, skipped
 
 

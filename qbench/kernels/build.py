@@ -43,7 +43,7 @@ def load() -> ctypes.CDLL | None:
     if shutil.which(cc) is None:
         return None
     here = Path(__file__).parent
-    src = b"".join((here / s).read_bytes() for s in SOURCES)
+    src = b"".join((here / s).read_bytes() for s in (*SOURCES, "panel.h"))
     key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib = qbench_home() / "kernels" / f"qbench_kernels_{key}.so"
     if not lib.is_file():

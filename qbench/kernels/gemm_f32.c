@@ -9,20 +9,10 @@
 #include <immintrin.h>
 #include <stddef.h>
 
-#define PANEL 16
+#include "panel.h"
 
 static inline void store_row(float *y, __m256 r0, __m256 r1, const __m256 b0, const __m256 b1, long nvalid) {
-    r0 = _mm256_add_ps(r0, b0);
-    r1 = _mm256_add_ps(r1, b1);
-    if (nvalid == PANEL) {
-        _mm256_storeu_ps(y, r0);
-        _mm256_storeu_ps(y + 8, r1);
-    } else {
-        float tmp[PANEL];
-        _mm256_storeu_ps(tmp, r0);
-        _mm256_storeu_ps(tmp + 8, r1);
-        for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
-    }
+    store16(y, _mm256_add_ps(r0, b0), _mm256_add_ps(r1, b1), nvalid);
 }
 
 /* One tile of MT rows against one panel. Inlined with a constant MT; the accumulators

@@ -14,15 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define PANEL 16
-
-static inline void store16(float *y, __m256 r0, __m256 r1, long nvalid) {
-    if (nvalid == PANEL) { _mm256_storeu_ps(y, r0); _mm256_storeu_ps(y + 8, r1); return; }
-    float tmp[PANEL];
-    _mm256_storeu_ps(tmp, r0);
-    _mm256_storeu_ps(tmp + 8, r1);
-    for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
-}
+#include "panel.h"
 
 #define ROW8(i) if (MT > i) { __m256 xb = _mm256_broadcast_ss(x + i * K + k);      \
                               c##i##0 = _mm256_fmadd_ps(xb, w0, c##i##0);          \

@@ -1,0 +1,15 @@
+/* Shared by the panel GEMM kernels: 16 output columns per panel, stored from two registers. */
+#pragma once
+#include <immintrin.h>
+
+#define PANEL 16
+
+/* Store one row of a panel's result; the last panel of a width that is not a multiple of 16
+ * writes only its valid columns. */
+static inline void store16(float *y, __m256 r0, __m256 r1, long nvalid) {
+    if (nvalid == PANEL) { _mm256_storeu_ps(y, r0); _mm256_storeu_ps(y + 8, r1); return; }
+    float tmp[PANEL];
+    _mm256_storeu_ps(tmp, r0);
+    _mm256_storeu_ps(tmp + 8, r1);
+    for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
+}
