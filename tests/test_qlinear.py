@@ -13,7 +13,7 @@ IMPLS = ["native", "aten", "reference"] if build.available() else ["aten", "refe
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scheme", ["int8", "g32-sym", "g64-asym", "g128-sym", "g128-asym"])
 @pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536)])
-@pytest.mark.parametrize("M", [1, 2, 3, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 13])
 def test_fast_paths_match_the_reference(impl, scheme, N, K, M):
     g = torch.Generator().manual_seed(N + K + M)
     w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)

@@ -63,8 +63,8 @@ void qb_gemm_f32_packed(const float *x, const float *wp, const float *bias, floa
         const float *w = wp + p * K * PANEL;
         long n0 = p * PANEL;
         long nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        for (long m0 = 0; m0 < M; m0 += 6) {
-            int mt = M - m0 < 6 ? (int)(M - m0) : 6;
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
+            int mt = (int)tile_rows(M, t);
             tile(x + m0 * K, K, w, K, bias ? bias + n0 : NULL, y + m0 * N + n0, N, mt, nvalid);
         }
     }

@@ -89,8 +89,8 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
             else tile_i8_small(1, x, w, K, scale + n0, y + n0, N, nvalid);
             continue;
         }
-        for (long m0 = 0; m0 < M; m0 += 6) {
-            long mt = M - m0 < 6 ? M - m0 : 6;
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
+            long mt = tile_rows(M, t);
             const float *xm = x + m0 * K;
             float *ym = y + m0 * N + n0;
             switch (mt) {
@@ -162,6 +162,44 @@ static inline __attribute__((always_inline)) void tile_i4(const int MT, const fl
     OUT4(0) OUT4(1)
 }
 
+/* Up to six rows against one panel for prefill and larger batches: each unpacked weight vector
+ * feeds six rows, so the unpack cost is amortised. The per-group accumulators stay in registers
+ * (12 at MT = 6) and the running result lives in y, updated once per group. */
+#define ROWW(i) if (MT > i) { __m256 xb = _mm256_broadcast_ss(x + i * K + k);                    \
+                              g##i##0 = _mm256_fmadd_ps(xb, w0, g##i##0);                        \
+                              g##i##1 = _mm256_fmadd_ps(xb, w1, g##i##1); }
+#define CLOSEW(i) if (MT > i) { __m256 xs = _mm256_set1_ps(xsum[i * ngroups + gi]);                   \
+                                float *yr = acc + i * PANEL;                                          \
+                                _mm256_storeu_ps(yr, _mm256_fmadd_ps(s0, _mm256_fnmadd_ps(z0, xs, g##i##0), \
+                                                                     _mm256_loadu_ps(yr)));           \
+                                _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(s1, _mm256_fnmadd_ps(z1, xs, g##i##1), \
+                                                                         _mm256_loadu_ps(yr + 8))); }
+
+static inline __attribute__((always_inline)) void tile_i4_wide(const int MT, const float *x, const float *xsum,
+                                                              const uint8_t *w, const uint16_t *sc,
+                                                              const uint8_t *zp, long K, long G, long ngroups,
+                                                              float *y, long N, long nvalid) {
+    float acc[6 * PANEL] = {0};
+    for (long gi = 0; gi < ngroups; gi++) {
+        __m256 g00 = _mm256_setzero_ps(), g01 = g00, g10 = g00, g11 = g00, g20 = g00, g21 = g00,
+               g30 = g00, g31 = g00, g40 = g00, g41 = g00, g50 = g00, g51 = g00;
+        long k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
+        for (long k = gi * G; k < k1; k++) {
+            __m256 w0, w1;
+            unpack16(w + k * (PANEL / 2), &w0, &w1);
+            ROWW(0) ROWW(1) ROWW(2) ROWW(3) ROWW(4) ROWW(5)
+        }
+        __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
+        __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));
+        __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
+        __m256 z0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb));
+        __m256 z1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8)));
+        CLOSEW(0) CLOSEW(1) CLOSEW(2) CLOSEW(3) CLOSEW(4) CLOSEW(5)
+    }
+    for (int i = 0; i < MT; i++)
+        store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
+}
+
 /* x (M, K) fp32; wp (P, K, 8) uint8; scales (P, ngroups, 16) fp16;
  * zeros (P, ngroups, 16) uint8; y (M, N). */
 void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros,
@@ -183,13 +221,22 @@ void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const
         const uint16_t *sc = scales + p * ngroups * PANEL;
         const uint8_t *zp = zeros + p * ngroups * PANEL;
         long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        /* two rows at a time: 8 accumulators stay in registers, and the panel (K/2 bytes per
-         * column) is small enough to be re-read from L1 for the next pair */
-        for (long m0 = 0; m0 < M; m0 += 2) {
+        if (M <= 2) {  /* decode: k unrolled by two so the FMA chains are not latency-bound */
+            if (M == 2) tile_i4(2, x, xsum, w, sc, zp, K, G, ngroups, y + n0, N, nvalid);
+            else tile_i4(1, x, xsum, w, sc, zp, K, G, ngroups, y + n0, N, nvalid);
+            continue;
+        }
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
             const float *xm = x + m0 * K, *xs = xsum + m0 * ngroups;
             float *ym = y + m0 * N + n0;
-            if (M - m0 >= 2) tile_i4(2, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid);
-            else tile_i4(1, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid);
+            switch (tile_rows(M, t)) {
+                case 6: tile_i4_wide(6, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
+                case 5: tile_i4_wide(5, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
+                case 4: tile_i4_wide(4, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
+                case 3: tile_i4_wide(3, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
+                case 2: tile_i4(2, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
+                default: tile_i4(1, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
+            }
         }
     }
     free(xsum);

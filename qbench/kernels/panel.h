@@ -13,3 +13,10 @@ static inline void store16(float *y, __m256 r0, __m256 r1, long nvalid) {
     _mm256_storeu_ps(tmp + 8, r1);
     for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
 }
+
+/* Rows of tile t when M rows are split into ceil(M / 6) tiles of nearly equal size: a batch of 8
+ * runs as 4 + 4 rather than 6 + 2, so no tile pays a full unpack or weight pass for two rows. */
+static inline long tile_rows(long M, long t) {
+    long n = (M + 5) / 6, base = M / n, extra = M % n;
+    return base + (t < extra ? 1 : 0);
+}
