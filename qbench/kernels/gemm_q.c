@@ -5,13 +5,13 @@
  * 1 GFLOP/s here); these kernels unpack integers to fp32 in registers instead.
  *
  * INT8: panel p holds (K, 16) int8; one fp32 scale per output column, applied once at the end.
- * INT4: panel p holds (K, 8) bytes, byte j of row k = column j (low nibble) | column j+8 (high
- * nibble), unsigned codes u in [0, 15]; per group of G rows, 16 fp16 scales and 16 uint8 zero
- * points. A group's integer dot products are accumulated first and its scale is applied once
- * per group (the seeds): y += s * (sum_k x_k u_k - z * sum_k x_k).
+ * INT4: unsigned codes u in [0, 15], 16 fp16 scales and 16 uint8 zero points per (panel, group);
+ * a group's integer dot products are accumulated first and its scale is applied once per group
+ * (the seeds): y += s * (sum_k x_k u_k - z * sum_k x_k). See qb_gemm_i4 for its layout.
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdlib.h>
 
 #include "panel.h"
@@ -105,139 +105,110 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
     }
 }
 
-static inline void unpack16(const uint8_t *w, __m256 *w0, __m256 *w1) {
+/* INT4 with 16-bit integer activations.
+ *
+ * Each row of x is rounded to int16 per weight group (scale = absmax / 32767, a relative error of
+ * at most 1.5e-5 of the group's largest activation: finer than fp16 activations). Codes and
+ * activations then meet in _mm256_madd_epi16, 16 multiply-adds per instruction on pairs of
+ * consecutive k, accumulated exactly in int32 over a group (at most 15 * 32767 * 128 < 2^31);
+ * each group is closed once with its weight scale, zero point and activation scale:
+ *   y += s_w * s_x * (sum_k x16_k u_k - z * sum_k x16_k).
+ * Layout: panel p, k-pair j: 16 bytes; byte 2c + t = code(2j + t, c) | code(2j + t, c + 8) << 4,
+ * so a 16-byte load, a mask and a shift give the codes of columns 0-7 and 8-15, already paired
+ * by k for madd.
+ */
+static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
     const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadl_epi64((const __m128i *)w);
-    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    *w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    *w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    __m128i b = _mm_loadu_si128((const __m128i *)w);
+    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
+    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
 
-/* Rows of x are fed two k at a time into separate accumulators (a: even k, b: odd k), so the
- * FMA dependency chains are twice as many and a batch-1 decode is not latency-bound. */
-#define ROW4(i) if (MT > i) { __m256 xa = _mm256_broadcast_ss(x + i * K + k);                    \
-                              __m256 xb = _mm256_broadcast_ss(x + i * K + k + 1);                \
-                              a##i##0 = _mm256_fmadd_ps(xa, wa0, a##i##0);                       \
-                              a##i##1 = _mm256_fmadd_ps(xa, wa1, a##i##1);                       \
-                              b##i##0 = _mm256_fmadd_ps(xb, wb0, b##i##0);                       \
-                              b##i##1 = _mm256_fmadd_ps(xb, wb1, b##i##1); }
-#define TAIL4(i) if (MT > i) { __m256 xa = _mm256_broadcast_ss(x + i * K + k);                   \
-                               a##i##0 = _mm256_fmadd_ps(xa, wa0, a##i##0);                      \
-                               a##i##1 = _mm256_fmadd_ps(xa, wa1, a##i##1); }
-/* close a group: acc += s * (sum_k x_k u_k - z * sum_k x_k) */
-#define CLOSE4(i) if (MT > i) { __m256 xs = _mm256_set1_ps(xsum[i * ngroups + gi]);                     \
-                                __m256 g0 = _mm256_add_ps(a##i##0, b##i##0), g1 = _mm256_add_ps(a##i##1, b##i##1); \
-                                c##i##0 = _mm256_fmadd_ps(s0, _mm256_fnmadd_ps(z0, xs, g0), c##i##0); \
-                                c##i##1 = _mm256_fmadd_ps(s1, _mm256_fnmadd_ps(z1, xs, g1), c##i##1); }
-#define OUT4(i) if (MT > i) store16(y + i * N, c##i##0, c##i##1, nvalid);
+#define ROWQ(i) if (MT > i) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K2 + k));  \
+                              a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(wlo, xp));       \
+                              a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(whi, xp)); }
+#define CLOSEQ(i) if (MT > i) {                                                                      \
+        __m256i zs = _mm256_set1_epi32(xs16[i * ngroups + gi]);                                      \
+        __m256 sx = _mm256_set1_ps(sx16[i * ngroups + gi]);                                          \
+        __m256 d0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(a##i##0, _mm256_mullo_epi32(z0, zs)));       \
+        __m256 d1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(a##i##1, _mm256_mullo_epi32(z1, zs)));       \
+        float *yr = acc + i * PANEL;                                                                 \
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));       \
+        _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
 
-static inline __attribute__((always_inline)) void tile_i4(const int MT, const float *x, const float *xsum,
-                                                         const uint8_t *w, const uint16_t *sc, const uint8_t *zp,
-                                                         long K, long G, long ngroups, float *y, long N,
-                                                         long nvalid) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
-    for (long gi = 0; gi < ngroups; gi++) {
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
-        __m256 b00 = a00, b01 = a00, b10 = a00, b11 = a00;
-        long k = gi * G, k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
-        for (; k + 2 <= k1; k += 2) {
-            __m256 wa0, wa1, wb0, wb1;
-            unpack16(w + k * (PANEL / 2), &wa0, &wa1);
-            unpack16(w + (k + 1) * (PANEL / 2), &wb0, &wb1);
-            ROW4(0) ROW4(1)
-        }
-        if (k < k1) {
-            __m256 wa0, wa1;
-            unpack16(w + k * (PANEL / 2), &wa0, &wa1);
-            TAIL4(0) TAIL4(1)
-        }
-        __m128i sh = _mm_loadu_si128((const __m128i *)(sc + gi * PANEL));
-        __m128i sh2 = _mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8));
-        __m256 s0 = _mm256_cvtph_ps(sh), s1 = _mm256_cvtph_ps(sh2);
-        __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
-        __m256 z0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb));
-        __m256 z1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8)));
-        CLOSE4(0) CLOSE4(1)
-    }
-    OUT4(0) OUT4(1)
-}
-
-/* Up to six rows against one panel for prefill and larger batches: each unpacked weight vector
- * feeds six rows, so the unpack cost is amortised. The per-group accumulators stay in registers
- * (12 at MT = 6) and the running result lives in y, updated once per group. */
-#define ROWW(i) if (MT > i) { __m256 xb = _mm256_broadcast_ss(x + i * K + k);                    \
-                              g##i##0 = _mm256_fmadd_ps(xb, w0, g##i##0);                        \
-                              g##i##1 = _mm256_fmadd_ps(xb, w1, g##i##1); }
-#define CLOSEW(i) if (MT > i) { __m256 xs = _mm256_set1_ps(xsum[i * ngroups + gi]);                   \
-                                float *yr = acc + i * PANEL;                                          \
-                                _mm256_storeu_ps(yr, _mm256_fmadd_ps(s0, _mm256_fnmadd_ps(z0, xs, g##i##0), \
-                                                                     _mm256_loadu_ps(yr)));           \
-                                _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(s1, _mm256_fnmadd_ps(z1, xs, g##i##1), \
-                                                                         _mm256_loadu_ps(yr + 8))); }
-
-static inline __attribute__((always_inline)) void tile_i4_wide(const int MT, const float *x, const float *xsum,
-                                                              const uint8_t *w, const uint16_t *sc,
-                                                              const uint8_t *zp, long K, long G, long ngroups,
-                                                              float *y, long N, long nvalid) {
+static inline __attribute__((always_inline)) void tile_i4q(const int MT, const int16_t *x16, const float *sx16,
+                                                          const int32_t *xs16, const uint8_t *w,
+                                                          const uint16_t *sc, const uint8_t *zp, long K2, long G,
+                                                          long ngroups, float *y, long N, long nvalid) {
     float acc[6 * PANEL] = {0};
     for (long gi = 0; gi < ngroups; gi++) {
-        __m256 g00 = _mm256_setzero_ps(), g01 = g00, g10 = g00, g11 = g00, g20 = g00, g21 = g00,
-               g30 = g00, g31 = g00, g40 = g00, g41 = g00, g50 = g00, g51 = g00;
-        long k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
-        for (long k = gi * G; k < k1; k++) {
-            __m256 w0, w1;
-            unpack16(w + k * (PANEL / 2), &w0, &w1);
-            ROWW(0) ROWW(1) ROWW(2) ROWW(3) ROWW(4) ROWW(5)
+        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+                a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+        long k1 = (gi + 1) * G < K2 ? (gi + 1) * G : K2;
+        for (long k = gi * G; k < k1; k += 2) {
+            __m256i wlo, whi;
+            unpack_pair(w + k * (PANEL / 2), &wlo, &whi);
+            ROWQ(0) ROWQ(1) ROWQ(2) ROWQ(3) ROWQ(4) ROWQ(5)
         }
         __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
         __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));
         __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
-        __m256 z0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb));
-        __m256 z1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8)));
-        CLOSEW(0) CLOSEW(1) CLOSEW(2) CLOSEW(3) CLOSEW(4) CLOSEW(5)
+        __m256i z0 = _mm256_cvtepu8_epi32(zb), z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8));
+        CLOSEQ(0) CLOSEQ(1) CLOSEQ(2) CLOSEQ(3) CLOSEQ(4) CLOSEQ(5)
     }
     for (int i = 0; i < MT; i++)
         store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
 }
 
-/* x (M, K) fp32; wp (P, K, 8) uint8; scales (P, ngroups, 16) fp16;
+/* x (M, K) fp32; wp (P, K2 / 2, 16) uint8 with K2 = K rounded up to even; scales (P, ngroups, 16) fp16;
  * zeros (P, ngroups, 16) uint8; y (M, N). */
 void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros,
                 float *y, long M, long K, long N, long G, int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
     long ngroups = (K + G - 1) / G;
-    /* each group's sum of x, once per call, for the zero-point term */
-    float *xsum = (float *)malloc(sizeof(float) * (M * ngroups + 1));
-    for (long m = 0; m < M; m++)
+    long K2 = K + (K & 1);
+    int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * M * K2 + 16);
+    float *sx16 = (float *)malloc(sizeof(float) * M * ngroups + 16);
+    int32_t *xs16 = (int32_t *)malloc(sizeof(int32_t) * M * ngroups + 16);
+    for (long m = 0; m < M; m++) {
+        if (K2 != K) x16[m * K2 + K] = 0;
         for (long gi = 0; gi < ngroups; gi++) {
-            float acc = 0.0f;
-            long k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
-            for (long k = gi * G; k < k1; k++) acc += x[m * K + k];
-            xsum[m * ngroups + gi] = acc;
+            long k0 = gi * G, k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
+            float amax = 0.0f;
+            for (long k = k0; k < k1; k++) { float a = fabsf(x[m * K + k]); amax = a > amax ? a : amax; }
+            float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
+            int32_t sum = 0;
+            for (long k = k0; k < k1; k++) {
+                int16_t q = (int16_t)lrintf(x[m * K + k] * inv);
+                x16[m * K2 + k] = q;
+                sum += q;
+            }
+            sx16[m * ngroups + gi] = s;
+            xs16[m * ngroups + gi] = sum;
         }
+    }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
-        const uint8_t *w = wp + p * K * (PANEL / 2);
+        const uint8_t *w = wp + p * K2 * (PANEL / 2);
         const uint16_t *sc = scales + p * ngroups * PANEL;
         const uint8_t *zp = zeros + p * ngroups * PANEL;
         long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        if (M <= 2) {  /* decode: k unrolled by two so the FMA chains are not latency-bound */
-            if (M == 2) tile_i4(2, x, xsum, w, sc, zp, K, G, ngroups, y + n0, N, nvalid);
-            else tile_i4(1, x, xsum, w, sc, zp, K, G, ngroups, y + n0, N, nvalid);
-            continue;
-        }
         for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
-            const float *xm = x + m0 * K, *xs = xsum + m0 * ngroups;
+            const int16_t *xm = x16 + m0 * K2;
+            const float *sm = sx16 + m0 * ngroups;
+            const int32_t *xsm = xs16 + m0 * ngroups;
             float *ym = y + m0 * N + n0;
             switch (tile_rows(M, t)) {
-                case 6: tile_i4_wide(6, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
-                case 5: tile_i4_wide(5, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
-                case 4: tile_i4_wide(4, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
-                case 3: tile_i4_wide(3, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
-                case 2: tile_i4(2, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
-                default: tile_i4(1, xm, xs, w, sc, zp, K, G, ngroups, ym, N, nvalid); break;
+                case 6: tile_i4q(6, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
+                case 5: tile_i4q(5, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
+                case 4: tile_i4q(4, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
+                case 3: tile_i4q(3, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
+                case 2: tile_i4q(2, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
+                default: tile_i4q(1, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
             }
         }
     }
-    free(xsum);
+    free(x16);
+    free(sx16);
+    free(xs16);
 }

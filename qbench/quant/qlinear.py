@@ -106,10 +106,14 @@ class Int4Linear(QuantLinear):
         ngroups = q.scale.shape[1]
         zero = q.zero if q.zero is not None else torch.full_like(q.scale, 8, dtype=torch.uint8)
         if self.impl == "native":
-            P = -(-N // PANEL)
+            P, K2 = -(-N // PANEL), K + K % 2
             codes = _pad_rows(q.codes[:, :K], P * PANEL).view(P, PANEL, K).transpose(1, 2)  # (P, K, 16)
-            packed = codes[..., :8] | (codes[..., 8:] << 4)  # byte j: column j low, column j + 8 high
-            self.register_buffer("panels", packed.contiguous())  # (P, K, 8) uint8
+            if K2 != K:  # the kernel reads k in pairs; the extra row meets a zero activation
+                codes = torch.cat([codes, codes.new_zeros(P, 1, PANEL)], dim=1)
+            nib = codes[..., :8] | (codes[..., 8:] << 4)  # (P, K2, 8): column c low, column c + 8 high
+            # pairs of k side by side per column, as _mm256_madd_epi16 consumes them
+            packed = nib.view(P, K2 // 2, 2, 8).transpose(2, 3).reshape(P, K2 // 2, 16)
+            self.register_buffer("panels", packed.contiguous())  # (P, K2 / 2, 16) uint8
             sc = _pad_rows(q.scale, P * PANEL).view(P, PANEL, ngroups).transpose(1, 2)
             self.register_buffer("scales16", sc.contiguous().view(torch.int16))  # (P, ngroups, 16) fp16 bits
             zp = _pad_rows(zero, P * PANEL).view(P, PANEL, ngroups).transpose(1, 2)
