@@ -35,25 +35,25 @@ def test_folder_without_config(tmp_path):
     assert_one_line_error(qbench("generate", str(tmp_path), "hi"), "no config.json")
 
 
-def test_corrupt_weights(tiny_models, tmp_path, smollm2):
+def _model_with_weights(tiny_models, smollm2, dest, corrupt):
+    """A tiny model folder (with SmolLM2's tokenizer) whose model.safetensors ``corrupt`` rewrites."""
     folder, _ = tiny_models["llama"]
-    bad = tmp_path / "bad"
-    shutil.copytree(folder, bad)
+    shutil.copytree(folder, dest)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2 / f, bad / f)
-    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    assert_one_line_error(qbench("generate", str(bad), "hi"), "model.safetensors", "not a safetensors file")
+        shutil.copy(smollm2 / f, dest / f)
+    (dest / "model.safetensors").write_bytes(corrupt((dest / "model.safetensors").read_bytes()))
+    return str(dest)
+
+
+def test_corrupt_weights(tiny_models, tmp_path, smollm2):
+    bad = _model_with_weights(tiny_models, smollm2, tmp_path / "bad",
+                              lambda _: b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    assert_one_line_error(qbench("generate", bad, "hi"), "model.safetensors", "not a safetensors file")
 
 
 def test_truncated_weights(tiny_models, tmp_path, smollm2):
-    folder, _ = tiny_models["llama"]
-    bad = tmp_path / "trunc"
-    shutil.copytree(folder, bad)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2 / f, bad / f)
-    data = (bad / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert_one_line_error(qbench("generate", str(bad), "hi"), "corrupt entry")
+    bad = _model_with_weights(tiny_models, smollm2, tmp_path / "trunc", lambda data: data[: len(data) // 2])
+    assert_one_line_error(qbench("generate", bad, "hi"), "corrupt entry")
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

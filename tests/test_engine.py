@@ -8,7 +8,6 @@ from qbench.engine import block_manager as bm_mod
 from qbench.engine import kv_cache as kv_mod
 from qbench.engine.engine import Engine
 from qbench.engine.hf_backend import HFBackend
-from qbench.engine.runner import ModelRunner
 from qbench.engine.sampling import SamplingParams
 from qbench.engine.sequence import Sequence
 from qbench.engine.stopping import check_finished

@@ -56,7 +56,7 @@ def test_linear_kernel_and_torch_fallback_agree(monkeypatch):
 @pytest.mark.parametrize("window", [None, 5])
 def test_paged_attention_matches_the_torch_path(window):
     from qbench.kernels.ops import paged_attention
-    from qbench.layers.attention import AttnMetadata, attend, build_mask
+    from qbench.layers.attention import AttnMetadata, build_mask
     from qbench.layers.kv import BlockKV
 
     g = torch.Generator().manual_seed(0)

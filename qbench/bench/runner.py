@@ -11,7 +11,6 @@ import multiprocessing as mp
 import platform
 import resource
 import statistics
-import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from qbench.engine.engine import Engine
 from qbench.engine.hf_backend import HFBackend, load_hf_model

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qbench.errors import QBenchError
 from qbench.layers.attention import attend
 from qbench.layers.linear import Linear
 from qbench.layers.norm import RMSNorm
