@@ -62,6 +62,16 @@ def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None) -> d
     return rec
 
 
+def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None,
+             res: QuantResult) -> None:
+    """Swap the linear at ``path`` for its quantized module and record its error."""
+    res.qtensors[path] = q
+    res.layers.append(_record(path, W, q, X))
+    if path == "lm_head":
+        model.untie(W)  # the token embedding stays in full precision
+    _set(model, path, make_qlinear(q, _get(model, path).bias))
+
+
 def _block_forward(cfg, block, x: torch.Tensor) -> torch.Tensor:
     """One block on the cache-free path: x (S, T, H) -> (S, T, H)."""
     S, T, _ = x.shape
@@ -79,14 +89,8 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
         raise QBenchError(f"AWQ is implemented for the Llama family; {model.config.model_type} is not; use rtn or gptq")
     if ws.method == "rtn":
         for path in todo:
-            lin = _get(model, path)
-            W = lin.weight.float()
-            q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
-            res.qtensors[path] = q
-            res.layers.append(_record(path, W, q, None))
-            if path == "lm_head":
-                model.untie(W)
-            _set(model, path, make_qlinear(q, lin.bias))
+            W = _get(model, path).weight.float()
+            _replace(model, path, rtn(W, ws.bits, ws.group_size, ws.symmetric), W, None, res)
         res.seconds = time.perf_counter() - t0
         return res
     if calib is None:
@@ -101,28 +105,19 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
             if ws.method == "awq":
                 _awq_block(model, block, bi, inputs, recipe, res)
             for name in names:
-                lin = _get(model, name)
-                W = lin.weight.float()
-                X = inputs[name[len(prefix):]]
+                W = _get(model, name).weight.float()
                 if ws.method == "gptq":
                     H = inputs["H:" + name[len(prefix):]]
                     q = gptq.gptq_quantize(W, H, ws.bits, ws.group_size, ws.symmetric, recipe.gptq.damp,
                                            recipe.gptq.block_size, recipe.gptq.act_order)
                 else:
                     q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
-                res.qtensors[name] = q
-                res.layers.append(_record(name, W, q, X))
-                _set(model, name, make_qlinear(q, lin.bias))
+                _replace(model, name, q, W, inputs[name[len(prefix):]], res)
             x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method})")
-        if "lm_head" in todo:
-            lin = model.lm_head
-            W = lin.weight.float()
-            q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
-            res.qtensors["lm_head"] = q
-            res.layers.append(_record("lm_head", W, q, None))
-            model.untie(W)  # the token embedding stays in full precision
-            model.lm_head = make_qlinear(q, lin.bias)
+        if "lm_head" in todo:  # no calibration inputs are captured for the head: round to nearest
+            W = model.lm_head.weight.float()
+            _replace(model, "lm_head", rtn(W, ws.bits, ws.group_size, ws.symmetric), W, None, res)
     res.seconds = time.perf_counter() - t0
     return res
 
