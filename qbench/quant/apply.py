@@ -101,7 +101,8 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
         for bi, block in enumerate(model.blocks):
             prefix = f"blocks.{bi}."
             names = [p for p in todo if p.startswith(prefix)]
-            inputs = _capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens)
+            inputs = _capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens,
+                              hessian=ws.method == "gptq")
             if ws.method == "awq":
                 _awq_block(model, block, bi, inputs, recipe, res)
             for name in names:
@@ -122,7 +123,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
     return res
 
 
-def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int) -> dict:
+def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hessian: bool = True) -> dict:
     """Inputs of the named linears of ``block`` on x: a token subsample for AWQ and errors, and the
     full Hessian (under "H:name") for GPTQ."""
     store: dict = {}
@@ -132,8 +133,9 @@ def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int) -> 
     def hook(name):
         def fn(mod, args, out):
             xin = args[0].reshape(-1, args[0].shape[-1]).float()
-            store["H:" + name], store["n:" + name] = gptq.hessian_add(store.get("H:" + name), xin,
-                                                                       store.get("n:" + name, 0))
+            if hessian:
+                store["H:" + name], store["n:" + name] = gptq.hessian_add(store.get("H:" + name), xin,
+                                                                           store.get("n:" + name, 0))
             keep = xin if xin.shape[0] <= max_tokens else xin[torch.randperm(xin.shape[0], generator=g)[:max_tokens]]
             store[name] = keep.clone()
         return fn

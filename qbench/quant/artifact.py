@@ -135,7 +135,7 @@ class QuantFactory:
                 return k
         return None
 
-    def _qtensor(self, w: Weights, key: str, n: int, k: int) -> QTensor:
+    def qtensor(self, w: Weights, key: str, n: int, k: int) -> QTensor:
         bits, group, sym = self.scheme["bits"], self.scheme.get("group_size"), self.scheme["symmetric"]
         got = {}
         for suffix, shape in expected_shapes(self.scheme, n, k).items():
@@ -156,7 +156,7 @@ class QuantFactory:
             return dense_linear(w, names, shapes, conv1d)
         if any(k is None for k in keys):
             raise QBenchError(f"{self.where}: {names} are fused at run time but only some are quantized")
-        qs = [self._qtensor(w, key, n, k) for key, (n, k) in zip(keys, shapes)]
+        qs = [self.qtensor(w, key, n, k) for key, (n, k) in zip(keys, shapes)]
         q = qs[0] if len(qs) == 1 else QTensor(
             qs[0].bits, torch.cat([x.codes for x in qs]), torch.cat([x.scale for x in qs]),
             None if qs[0].zero is None else torch.cat([x.zero for x in qs]), qs[0].group_size,

@@ -39,8 +39,7 @@ def _pack_words(u: torch.Tensor, bits: int) -> torch.Tensor:
     u = torch.nn.functional.pad(u.to(torch.int64), (0, pad)).view(R, -1, per)
     shifts = torch.arange(per, dtype=torch.int64) * bits
     words = (u << shifts).sum(-1)
-    return words.to(torch.uint32).view(torch.int32) if hasattr(torch, "uint32") else \
-        torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same bits, signed
 
 
 def export_group(k: int, group: int) -> int:
@@ -94,7 +93,7 @@ def run_export(artifact: Path, fmt: str, out: Path) -> Path:
     w = Weights(src, str(artifact))
     for name, info in manifest["quantized"].items():
         n, k = info["shape"]
-        q = factory._qtensor(w, name, n, k)
+        q = factory.qtensor(w, name, n, k)
         t, g = ct_tensors(name, q)
         tensors.update(t)
         groups.setdefault(g, []).append(name)

@@ -36,12 +36,13 @@ def _quant_col(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: i
 
 
 def hessian_add(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """Running mean of x^T x over calibration tokens; x (..., K)."""
-    x = x.reshape(-1, x.shape[-1]).double()
+    """Running mean of x^T x over calibration tokens; x (..., K). The product runs in float32 (as the
+    reference GPTQ does), the running mean is kept in float64."""
+    x = x.reshape(-1, x.shape[-1]).float()
     m = x.shape[0]
     H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64) if H is None else H
     H *= n / (n + m)
-    H += x.t() @ x / (n + m)
+    H += (x.t() @ x).double() / (n + m)
     return H, n + m
 
 
