@@ -32,11 +32,6 @@ class Linear(torch.nn.Module):
             self.packed = None
             self.weight_t = torch.nn.Parameter(weight.t().contiguous(), requires_grad=False)  # (K, N)
 
-    @classmethod
-    def from_input_major(cls, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> "Linear":
-        """Build from a weight already stored (in, out), such as GPT-2's Conv1D."""
-        return cls(weight_t.t(), bias)
-
     @property
     def weight(self) -> torch.Tensor:
         """(out, in); a copy when the weight is packed."""

@@ -18,8 +18,7 @@ def _params(w: torch.Tensor, bits: int, group: int | None, symmetric: bool):
     """Scale and zero for a slice (N, cols), as (N, 1) float tensors; zero is None when symmetric."""
     if bits == 8:
         return (w.abs().amax(1, keepdim=True) / 127.0).clamp(min=1e-8).half().float(), None
-    s, z = int4_params(w, w.shape[1], symmetric) if w.shape[1] in (32, 64, 128) else int4_params(
-        torch.nn.functional.pad(w, (0, group - w.shape[1])), group, symmetric)
+    s, z = int4_params(w, group, symmetric)  # one group; a partial last group is zero-padded, as in RTN
     return s.float(), (None if z is None else z.float())
 
 
