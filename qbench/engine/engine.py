@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from qbench.engine.block_manager import BlockManager
-from qbench.engine.kv_cache import KVPool
+from qbench.engine.kv_cache import KVPool, QuantKVPool
 from qbench.engine.runner import ModelRunner
 from qbench.engine.sampling import SamplingParams, sample_batch
 from qbench.engine.sequence import Sequence
@@ -41,7 +41,8 @@ def check_prompts(prompts: list[list[int]], window: int) -> None:
 
 class Engine:
     def __init__(self, model: CausalLM, block_size: int = 16, max_batch: int = 16,
-                 kv_capacity_tokens: int | None = None, detokenize: Callable[[list[int]], str] | None = None):
+                 kv_capacity_tokens: int | None = None, detokenize: Callable[[list[int]], str] | None = None,
+                 kv_scheme=None):
         if block_size < 1 or max_batch < 1:
             raise QBenchError(f"engine: block_size ({block_size}) and max_batch ({max_batch}) must be >= 1")
         self.model = model
@@ -49,6 +50,7 @@ class Engine:
         self.block_size = block_size
         self.max_batch = max_batch
         self.detokenize = detokenize
+        self.kv_scheme = kv_scheme  # None: a full-precision cache; else a layers.kvquant.KVScheme
         self.eos_ids = set(model.config.eos_token_ids)
         self.pool: KVPool | None = None
         self.blocks: BlockManager | None = None
@@ -63,8 +65,12 @@ class Engine:
         if self.pool is not None and self.pool.num_blocks >= num_blocks:
             return
         cfg = self.config
-        self.pool = KVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                           self.model.dtype)
+        if self.kv_scheme is None:
+            self.pool = KVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                               self.model.dtype)
+        else:
+            self.pool = QuantKVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                    self.model.dtype, self.kv_scheme, self.max_batch)
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.runner = ModelRunner(self.model, self.pool)
 
@@ -101,7 +107,8 @@ class Engine:
         return wave
 
     def _run_wave(self, wave: list[Sequence]) -> None:
-        for s in wave:
+        for i, s in enumerate(wave):
+            s.kv_slot = i
             self.blocks.reserve(s, len(s))
         t0 = time.perf_counter()
         logits = self.runner.prefill(wave)

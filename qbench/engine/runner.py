@@ -45,6 +45,8 @@ class ModelRunner:
             block_tables=self._tables(seqs),
             context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int64),
             block_size=bs,
+            kv_slots=torch.tensor([s.kv_slot for s in seqs], dtype=torch.int64),
+            new_tokens=torch.tensor([len(c) for c in chunks], dtype=torch.int64),
         )
         last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64)
         logits = self.model(torch.tensor(ids, dtype=torch.int64), meta, self.pool.layers, logits_index=last)
@@ -63,6 +65,8 @@ class ModelRunner:
             block_tables=self._tables(seqs),
             context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int64),
             block_size=bs,
+            kv_slots=torch.tensor([s.kv_slot for s in seqs], dtype=torch.int64),
+            new_tokens=torch.ones(len(seqs), dtype=torch.int64),
         )
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.int64)
         logits = self.model(ids, meta, self.pool.layers, logits_index=torch.zeros(len(seqs), dtype=torch.int64))

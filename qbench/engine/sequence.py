@@ -20,6 +20,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are already in the cache
+    kv_slot: int = 0  # its residual slot in a quantized KV cache, fixed for the wave
     finish_reason: str | None = None
     text: str = ""
     generator: torch.Generator = field(init=False)

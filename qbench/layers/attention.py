@@ -26,6 +26,8 @@ class AttnMetadata:
     key_valid: torch.Tensor | None = None  # (B, T) bool, real tokens, for the cache-free path
     query_valid: torch.Tensor | None = None  # (B, T) bool, real query tokens when rows are padded
     block_size: int = 0
+    kv_slots: torch.Tensor | None = None  # (B,) each sequence's residual slot in a quantized cache
+    new_tokens: torch.Tensor | None = None  # (B,) real tokens each sequence writes in this step
 
     @property
     def uses_cache(self) -> bool:
@@ -79,6 +81,13 @@ def attend(
         kf, vf = k.reshape(B * T, nkv, hd), v.reshape(B * T, nkv, hd)
         if meta.valid_index is not None:
             kf, vf = kf.index_select(0, meta.valid_index), vf.index_select(0, meta.valid_index)
+        if not getattr(cache, "native", True):  # a quantized pool: dequantized through its own read
+            cache.write_meta(meta, kf, vf)
+            keys, values = cache.read_meta(meta)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            qg = q.view(B, T, nkv, g, hd).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, hd)
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+            return out.view(B, nkv, T, g, hd).permute(0, 2, 1, 3, 4).reshape(B, T, nh * hd)
         cache.write(meta.slot_mapping, kf, vf)
         if mask is None:
             return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.positions, meta.query_valid,

@@ -38,7 +38,7 @@ class CausalLM(torch.nn.Module):
         cfg = self.config
         x = self.embed(input_ids, meta.positions)  # (B, T, H)
         mask = None
-        if caches is None or not uses_kernel(meta, x.dtype):
+        if caches is None or not uses_kernel(meta, x.dtype) or not getattr(caches[0], "native", True):
             mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
         for i, block in enumerate(self.blocks):
             x = block(x, mask, meta, None if caches is None else caches[i])
