@@ -74,14 +74,6 @@ def summarize(raw: dict, prompt_tokens: int) -> dict:
     return out
 
 
-def _unique_bytes(tensors) -> int:
-    """Bytes of distinct storages: a tied lm_head shares the embedding's."""
-    seen = {}
-    for t in tensors:
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
 def run_case(case: dict) -> dict:
     """Runs in a fresh process. Returns the raw measurements of one backend at one batch size."""
     import torch
@@ -89,6 +81,7 @@ def run_case(case: dict) -> dict:
     from qbench.bench.peers import hf_cache_bytes, run_hf_generate, run_llama_cpp
     from qbench.bench.workload import bench_prompts
     from qbench.engine.api import load_tokenizer
+    from qbench.models.base import unique_storage_bytes
     from qbench.models.registry import DTYPES, load_model
     from qbench.models.zoo import gguf_path, resolve_model
 
@@ -110,7 +103,7 @@ def run_case(case: dict) -> dict:
         if backend == "hf":
             hf = load_hf_model(folder, dtype)
             runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
-            res["weight_bytes"] = _unique_bytes(hf.state_dict().values())
+            res["weight_bytes"] = unique_storage_bytes(hf.state_dict().values())
         else:
             from qbench.quant.artifact import is_artifact, load_artifact
             model = load_artifact(folder, dtype)[0] if is_artifact(folder) else load_model(folder, dtype)
@@ -135,7 +128,7 @@ def run_case(case: dict) -> dict:
         from qbench.engine.hf_backend import load_hf_model
 
         hf = load_hf_model(folder, dtype)
-        res["weight_bytes"] = _unique_bytes(hf.state_dict().values())
+        res["weight_bytes"] = unique_storage_bytes(hf.state_dict().values())
         pad = tok.pad_token_id or 0
         run_hf_generate(hf, prompts, 4, pad)
         raw = run_hf_generate(hf, prompts, G, pad)

@@ -16,7 +16,7 @@ from qbench.engine.block_manager import BlockManager
 from qbench.engine.kv_cache import KVPool, QuantKVPool
 from qbench.engine.runner import ModelRunner
 from qbench.engine.sampling import SamplingParams, sample_batch
-from qbench.engine.sequence import Sequence
+from qbench.engine.sequence import Sequence, make_sequences
 from qbench.engine.stopping import check_finished
 from qbench.errors import QBenchError
 from qbench.models.base import CausalLM
@@ -28,15 +28,6 @@ class StepStats:
     prefill_tokens: list[int] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     decode_batch: list[int] = field(default_factory=list)
-
-
-def check_prompts(prompts: list[list[int]], window: int) -> None:
-    for i, p in enumerate(prompts):
-        if not p:
-            raise QBenchError(f"prompt {i} is empty; give at least one token")
-        if len(p) >= window:
-            raise QBenchError(f"prompt {i} has {len(p)} tokens but the model's context window is {window}; "
-                              f"shorten it")
 
 
 class Engine:
@@ -79,10 +70,7 @@ class Engine:
         return min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_positions)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        check_prompts(prompts, self.config.max_positions)
-        seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+        seqs = make_sequences(prompts, params, self.config.max_positions)
         if not self.fixed_capacity:
             # size the pool for the largest wave of this call; it is reallocated only between calls
             need = sorted((-(-self._budget(s) // self.block_size) * self.block_size for s in seqs), reverse=True)

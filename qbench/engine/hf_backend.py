@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from qbench.engine.engine import StepStats, check_prompts
+from qbench.engine.engine import StepStats
 from qbench.engine.sampling import SamplingParams, sample_batch
-from qbench.engine.sequence import Sequence
+from qbench.engine.sequence import Sequence, make_sequences
 from qbench.engine.stopping import check_finished
 
 
@@ -46,10 +46,7 @@ class HFBackend:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  batch_size: int = 16) -> list[Sequence]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        check_prompts(prompts, self.max_positions)
-        seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+        seqs = make_sequences(prompts, params, self.max_positions)
         for i in range(0, len(seqs), batch_size):
             self._run_batch(seqs[i: i + batch_size])
         return seqs

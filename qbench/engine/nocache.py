@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from qbench.engine.engine import StepStats, check_prompts
+from qbench.engine.engine import StepStats
 from qbench.engine.sampling import SamplingParams, sample_batch
-from qbench.engine.sequence import Sequence
+from qbench.engine.sequence import Sequence, make_sequences
 from qbench.engine.stopping import check_finished
 from qbench.layers.attention import AttnMetadata
 from qbench.models.base import CausalLM
@@ -38,10 +38,7 @@ class NoCacheEngine:
         self.stats = StepStats()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        check_prompts(prompts, self.config.max_positions)
-        seqs = [Sequence(list(p), sp) for p, sp in zip(prompts, params)]
+        seqs = make_sequences(prompts, params, self.config.max_positions)
         running, first = list(seqs), True
         while running:
             t0 = time.perf_counter()

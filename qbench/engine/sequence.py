@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qbench.engine.sampling import SamplingParams, make_generator
+from qbench.errors import QBenchError
 
 _ids = itertools.count()
 
@@ -38,3 +39,17 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def make_sequences(prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                   window: int) -> list[Sequence]:
+    """Validate prompts against the context window; one Sequence per prompt (one params for all, or each its own)."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise QBenchError(f"prompt {i} is empty; give at least one token")
+        if len(p) >= window:
+            raise QBenchError(f"prompt {i} has {len(p)} tokens but the model's context window is {window}; "
+                              f"shorten it")
+    return [Sequence(list(p), sp) for p, sp in zip(prompts, params)]

@@ -83,16 +83,13 @@ def attend(
             kf, vf = kf.index_select(0, meta.valid_index), vf.index_select(0, meta.valid_index)
         if not getattr(cache, "native", True):  # a quantized pool: dequantized through its own read
             cache.write_meta(meta, kf, vf)
-            keys, values = cache.read_meta(meta)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-            qg = q.view(B, T, nkv, g, hd).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, hd)
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-            return out.view(B, nkv, T, g, hd).permute(0, 2, 1, 3, 4).reshape(B, T, nh * hd)
-        cache.write(meta.slot_mapping, kf, vf)
-        if mask is None:
-            return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.positions, meta.query_valid,
-                                   window, scale)
-        keys, values = cache.read(meta.block_tables)  # (B, nkv, L, hd)
+            keys, values = (t.to(q.dtype) for t in cache.read_meta(meta))  # (B, nkv, L, hd)
+        else:
+            cache.write(meta.slot_mapping, kf, vf)
+            if mask is None:
+                return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.positions, meta.query_valid,
+                                       window, scale)
+            keys, values = cache.read(meta.block_tables)  # (B, nkv, L, hd)
     else:
         keys, values = k.transpose(1, 2), v.transpose(1, 2)  # (B, nkv, T, hd)
     # queries of one KV group side by side: (B, nkv, T * g, hd)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from qbench.layers import kvquant as kq
+
 
 class BlockKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
@@ -42,9 +44,9 @@ class QuantBlockKV:
     never change after that.
     """
 
-    native = False  # attention reads it through ``read``, not the native kernel
+    native = False  # attention reads it through ``read_meta``, not the native kernel
 
-    def __init__(self, store: dict, scheme, slot_of_block=None):
+    def __init__(self, store: dict, scheme):
         self.s = store  # tensors of this layer: kq, k_scale, k_min, vq, v_scale, v_min, rk, rv
         self.scheme = scheme
 
@@ -54,7 +56,6 @@ class QuantBlockKV:
 
     def _quantize_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (bs, nkv, hd) full precision -> stored codes and statistics of ``block``."""
-        from qbench.layers import kvquant as kq
         sc = self.scheme
         qk = kq.quantize_k_per_channel(k, sc.k_bits)
         self.s["kq"][block] = qk.codes
@@ -91,7 +92,6 @@ class QuantBlockKV:
 
     def read_meta(self, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual."""
-        from qbench.layers import kvquant as kq
         bt = meta.block_tables
         B, nblk = bt.shape
         s, sc = self.s, self.scheme

@@ -48,10 +48,12 @@ class CausalLM(torch.nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes held by weight tensors, counting a shared (tied) tensor once."""
-        seen, total = set(), 0
-        for t in list(self.parameters()) + list(self.buffers()):
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-        return total
+        return unique_storage_bytes([*self.parameters(), *self.buffers()])
+
+
+def unique_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: a tied lm_head shares the embedding's."""
+    seen = {}
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())

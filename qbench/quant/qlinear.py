@@ -57,15 +57,6 @@ class QuantLinear(torch.nn.Module):
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize(self.q), self.bias)
 
-    def weight_bytes(self) -> int:
-        """Bytes held at runtime by this module's tensors."""
-        seen = {}
-        extra = [] if self.q is None else [self.q.codes, self.q.scale, self.q.zero]
-        for t in [*self.buffers(), *self.parameters(), *extra]:
-            if t is not None:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(seen.values())
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "reference":
             return self.reference(x)
