@@ -70,8 +70,9 @@ def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
 @click.option("--dtype", default="fp32", show_default=True)
 @click.option("--batch-size", default=16, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
+@click.option("--kv", "kv", help="Quantize the KV cache with this recipe's kv section (e.g. kv8, kv4, k4v2).")
 def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top_k, top_p, seed, stop, backend,
-             dtype, batch_size, as_json):
+             dtype, batch_size, as_json, kv):
     """Generate text from MODEL (a zoo name, a local folder or a hub id)."""
     from qbench.engine.api import Generator
     from qbench.engine.sampling import SamplingParams
@@ -79,7 +80,9 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
     rows = _read_prompts(prompt, prompts_file)
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                              stop=tuple(stop), seed=seed + i) for i in range(len(rows))]
-    gen = Generator(model, backend=backend, dtype=dtype, max_batch=batch_size)
+    from qbench.quant.recipe import load_kv_scheme
+    gen = Generator(model, backend=backend, dtype=dtype, max_batch=batch_size,
+                    kv_scheme=None if kv is None else load_kv_scheme(kv))
     results = gen.generate([r["prompt"] for r in rows], params, chat=chat)
     for row, c in zip(rows, results):
         if as_json:
@@ -102,10 +105,12 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
 @click.option("--dtype", default="fp32", show_default=True)
 @click.option("--variant", "variants", multiple=True,
               help="A quantized artifact to run on qbench's engine beside the fp model (repeatable).")
+@click.option("--kv", "kvs", multiple=True,
+              help="Also run MODEL with a quantized KV cache from this recipe (e.g. kv8, kv4; repeatable).")
 @click.option("--qlinear", default="native", show_default=True,
               help="Low-bit kernels for the variants, comma list of native, aten, reference.")
 @click.option("--out", "out_path", type=click.Path(), help="Write the JSON report here.")
-def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, qlinear,
+def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, kvs, qlinear,
           out_path):
     """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
     from qbench.bench.runner import BenchConfig, run_bench
@@ -113,7 +118,7 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
 
     cfg = BenchConfig.parse(model=model, batch_sizes=batch_sizes, prompt_len=prompt_len, gen_len=gen_len,
                             backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype,
-                            variants=variants, qlinear=qlinear)
+                            variants=variants, qlinear=qlinear, kv=kvs)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     click.echo(render_table(report))
     if out_path:

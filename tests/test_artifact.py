@@ -68,6 +68,32 @@ def test_manifest_records_what_the_issue_asks(tiny_models, tmp_path):
     assert json.loads(meta["scheme"]) == m["scheme"]  # the spec lives in the file, not in a name
 
 
+def test_a_kv_recipe_is_recorded_with_its_bytes_per_token_and_runs_on_load(tiny_models, tmp_path):
+    from qbench.engine.kv_cache import QuantKVPool
+    from qbench.quant.artifact import artifact_kv_scheme
+    from qbench.quant.recipe import load_recipe
+    folder, _ = tiny_models["llama"]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: w4-k4v2\nweights: {bits: 4, group_size: 32}\n"
+                      "kv: {k_bits: 4, v_bits: 2, group: 16, v_group: 16, residual: 32}\n")
+    m = run_quantize(str(folder), str(recipe), tmp_path / "a", log=lambda s: None)
+    mem = m["kv"]["memory"]
+    cfg = load_artifact(tmp_path / "a")[0].config  # 2 layers, 2 KV heads, head_dim 16
+    assert mem["fp32_bytes_per_token"] == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    assert mem["fp16_bytes_per_token"] == mem["fp32_bytes_per_token"] // 2
+    # K4: 16 B of codes + 4 B of statistics per channel per 16 tokens; V2: 8 B + 4 B per 16 channels, per head
+    assert mem["bytes_per_token"] == cfg.num_layers * cfg.num_kv_heads * (8 + 4 + 4 + 4)
+    assert mem["residual_bytes_per_sequence"] == 2 * cfg.num_layers * 32 * cfg.num_kv_heads * cfg.head_dim * 4
+    scheme = artifact_kv_scheme(m, "a")
+    assert scheme == load_recipe(str(recipe)).kv
+    eng = Engine(load_artifact(tmp_path / "a")[0], block_size=scheme.group, kv_scheme=scheme)
+    out = eng.generate([[5, 6, 7], list(range(10, 50))], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert isinstance(eng.pool, QuantKVPool) and all(len(s.output_ids) == 30 for s in out)
+    broken = dict(m, kv=dict(m["kv"], k_bits=5))
+    with pytest.raises(QBenchError, match="kv.k_bits: 5"):
+        artifact_kv_scheme(broken, "a")
+
+
 def test_lm_head_can_be_quantized_and_the_embedding_stays_fp(tiny_models, tmp_path):
     folder, _ = tiny_models["llama-tied-bias"]
     recipe = tmp_path / "head.yaml"

@@ -47,3 +47,25 @@ def test_bench_runs_quantized_variants_beside_the_fp_engine(tmp_path, smollm2):
     assert set(labels) == {"qbench", "qbench[w4g64]", "qbench[w4g64/aten]"}
     assert labels["qbench[w4g64]"]["weight_bytes"] < labels["qbench"]["weight_bytes"] / 2
     assert {"qbench[w4g64]/qbench@1", "qbench[w4g64/aten]/qbench@1"} <= set(report["ratios"])
+
+
+def test_bench_runs_quantized_kv_caches_beside_the_fp_cache(tmp_path, smollm2):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qbench", "bench", SMOL, "--batch-sizes", "1", "--prompt-len", "40", "--gen-len", "5",
+         "--backends", "qbench", "--kv", "kv8", "--kv", "k4v2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    r = {x["label"]: x for x in report["results"]}
+    assert set(r) == {"qbench", "qbench[kv8]", "qbench[k4v2]"}
+    assert r["qbench"]["kv"]["bytes_per_token"] == 46080  # 30 layers x 2 x 3 heads x 64 x 4 bytes
+    assert r["qbench[kv8]"]["kv"]["bytes_per_token"] == 13680
+    assert r["qbench[k4v2]"]["kv"]["bytes_per_token"] == 6480
+    assert r["qbench[kv8]"]["kv"]["fp16_bytes_per_token"] == 23040
+    # the same three blocks of 16 tokens, plus one sequence's 16-token fp32 residual window
+    assert r["qbench"]["kv_bytes_reserved"] == 48 * 46080
+    assert r["qbench[k4v2]"]["kv_bytes_reserved"] == 48 * 6480 + 16 * 46080
+    assert r["qbench[k4v2]"]["kv"]["residual_bytes_per_sequence"] == 16 * 46080
+    assert {"qbench[kv8]/qbench@1", "qbench[k4v2]/qbench@1"} <= set(report["ratios"])
+    assert "KV B/token" in proc.stdout and "6480 (0.28x fp16)" in proc.stdout

@@ -87,3 +87,16 @@ def test_malformed_prompts_file(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     proc = qbench("--debug", "generate", str(tmp_path), "hi")
     assert proc.returncode == 2 and "Traceback" in proc.stderr
+
+
+def test_generate_with_a_quantized_kv_cache(smollm2):
+    proc = qbench("generate", SMOL, "The capital of France is", "--kv", "kv8", "--max-new-tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    fp = qbench("generate", SMOL, "The capital of France is", "--max-new-tokens", "6", "--json")
+    assert json.loads(proc.stdout)["tokens"] == json.loads(fp.stdout)["tokens"]  # KV8 keeps greedy tokens here
+
+
+def test_kv_flag_needs_a_recipe_with_a_kv_section(smollm2):
+    assert_one_line_error(qbench("generate", SMOL, "hi", "--kv", "w8"), "w8: this recipe has no kv section")
+    assert_one_line_error(qbench("generate", SMOL, "hi", "--kv", "kv8", "--backend", "hf"),
+                          "quantized KV cache runs on qbench's engine only")

@@ -26,7 +26,7 @@ def step_through(model, tokens, prompt_len, scheme, bs=16):
         eng.blocks.reserve(s, len(s))
         eng.runner.decode([s])
         if scheme is not None:
-            snapshots.append(eng.pool.store["kq"][0, s.block_table[0]].clone())
+            snapshots.append(eng.pool.store["kc"][0, s.block_table[0]].clone())
     return eng, s, snapshots
 
 
@@ -71,21 +71,132 @@ def test_batched_equals_sequential_with_a_quantized_cache(tiny_models, scheme):
     assert [s.output_ids for s in eng.generate(UNEVEN, sp)] == [eng.generate([p], sp)[0].output_ids for p in UNEVEN]
 
 
-def test_kv8_top1_agrees_with_fp_on_a_fixed_text(smollm2):
+def teacher_forced(smollm2, schemes, n):
+    """fp logits of a fixed WikiText-2 text in one cache-free pass, and each scheme's logits when the
+    engine prefills 17 tokens and then decodes the rest one at a time through its quantized cache."""
     from qbench.engine.api import load_tokenizer
     from qbench.layers.attention import AttnMetadata
     from qbench.quant.calibration import PROJECT_ROOT
     model = load_model(smollm2)
     text = (PROJECT_ROOT / "evals/data/wikitext-2-raw/wiki.test.raw").read_text(encoding="utf-8")[:3000]
-    ids = load_tokenizer(smollm2)(text)["input_ids"][:300]
-    ref = model(torch.tensor([ids]), AttnMetadata(positions=torch.arange(len(ids))[None]))[0, 16:].argmax(-1)
-    eng = Engine(model, kv_capacity_tokens=512, kv_scheme=KVScheme(8, 8))
-    s = Sequence(ids[:17], SamplingParams())
-    eng.blocks.reserve(s, len(s))
-    out = [eng.runner.prefill([s])]
-    for t in ids[17:]:
-        s.output_ids.append(t)
+    ids = load_tokenizer(smollm2)(text)["input_ids"][:n]
+    ref = model(torch.tensor([ids]), AttnMetadata(positions=torch.arange(len(ids))[None]))[0, 16:]
+    outs = []
+    for scheme in schemes:
+        eng = Engine(model, kv_capacity_tokens=512, kv_scheme=scheme)
+        s = Sequence(ids[:17], SamplingParams())
         eng.blocks.reserve(s, len(s))
-        out.append(eng.runner.decode([s]))
-    agree = (torch.cat(out).argmax(-1) == ref).float().mean().item()
+        out = [eng.runner.prefill([s])]
+        for t in ids[17:]:
+            s.output_ids.append(t)
+            eng.blocks.reserve(s, len(s))
+            out.append(eng.runner.decode([s]))
+        outs.append(torch.cat(out))
+    return ref, outs
+
+
+def test_kv8_top1_agrees_with_fp_on_a_fixed_text(smollm2):
+    ref, (out,) = teacher_forced(smollm2, [KVScheme(8, 8)], 300)
+    agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.99, agree
+
+
+def test_per_channel_k_beats_per_token_k_and_per_tensor_at_the_model_output(smollm2):
+    """The K-outlier asymmetry, measured end to end: the same 4-bit budget, three ways to spend it."""
+    schemes = [KVScheme(4, 4), KVScheme(4, 4, scheme="per-token-k"), KVScheme(4, 4, scheme="per-tensor")]
+    ref, outs = teacher_forced(smollm2, schemes, 160)
+    kl = [torch.nn.functional.kl_div(o.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                                     reduction="batchmean").item() for o in outs]
+    print("K4V4 KL against fp: kivi, per-token K, per-tensor", kl)
+    assert kl[0] < kl[1] < kl[2], kl
+
+
+def test_a_longer_residual_window_keeps_the_newest_blocks_exact(tiny_models):
+    """R = 2G: the unfinished block and the newest full block stay in full precision, older ones are
+    quantized once; the bytes of a quantized block never change afterwards."""
+    folder, _ = tiny_models["llama"]
+    model = load_model(folder)
+    tokens = torch.randint(2, 128, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref_eng, ref_seq, _ = step_through(model, tokens, 20, None)
+    eng, seq, snaps = step_through(model, tokens, 20, KVScheme(4, 4, group=16, v_group=16, residual=32))
+    from qbench.layers.attention import AttnMetadata
+    n = len(seq)  # 70 tokens: blocks 0..2 quantized, block 3 (48..63) and 64..69 in the ring
+    assert eng.pool.layers[0].quantized_blocks(n) == 3
+    meta = AttnMetadata(positions=torch.zeros(1, 1, dtype=torch.int64), block_tables=torch.tensor([seq.block_table]),
+                        context_lens=torch.tensor([n]), kv_slots=torch.tensor([0]))
+    k = eng.pool.layers[0].read_meta(meta)[0][0].transpose(0, 1)[:n]
+    fk = ref_eng.pool.k[0][torch.tensor(ref_seq.block_table)].reshape(-1, 2, 16)[:n]
+    assert torch.equal(k[48:], fk[48:])
+    for b in range(3):
+        qk = kq.dequantize_k_per_channel(kq.quantize_k_per_channel(fk[16 * b: 16 * b + 16], 4))
+        assert torch.allclose(k[16 * b: 16 * b + 16], qk, atol=1e-6)
+    # block 0 was quantized when token 32 arrived (prefill of 20 leaves it in the window): from then on fixed
+    assert all(torch.equal(snaps[-1], s) for s in snaps[32 - 20:])
+
+
+SCHEMES = [KVScheme(8, 8, v_group=16), KVScheme(4, 2, v_group=16), KVScheme(4, 4, v_group=16, residual=48),
+           KVScheme(8, 8, scheme="fp8"), KVScheme(4, 4, scheme="per-tensor"),
+           KVScheme(4, 4, v_group=16, scheme="per-token-k"), KVScheme(16, 4, v_group=16)]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe())
+def test_batched_equals_sequential_for_every_scheme(tiny_models, scheme):
+    folder, _ = tiny_models["llama"]
+    eng = Engine(load_model(folder), block_size=16, kv_scheme=scheme)
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    assert [s.output_ids for s in eng.generate(UNEVEN, sp)] == [eng.generate([p], sp)[0].output_ids for p in UNEVEN]
+
+
+def test_quantization_off_is_bit_identical_to_the_fp_cache(tiny_models, monkeypatch):
+    """The quantized pool's read path with K16V16 codecs returns exactly the fp cache's logits."""
+    from qbench.engine.kv_cache import QuantKVPool
+    from qbench.engine.runner import ModelRunner
+    from qbench.kernels import build
+    monkeypatch.setattr(build, "available", lambda: False)  # the fp pool's torch path, the same SDPA call
+    folder, _ = tiny_models["llama"]
+    model = load_model(folder)
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    fp = Engine(model, block_size=16, kv_capacity_tokens=512)
+    off = Engine(model, block_size=16, kv_capacity_tokens=512)
+    cfg = model.config
+    off.pool = QuantKVPool(cfg.num_layers, 32, 16, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                           KVScheme(16, 16), off.max_batch)
+    off.runner = ModelRunner(model, off.pool)
+    logits = {}
+    for name, eng in (("fp", fp), ("off", off)):
+        orig = eng.runner.decode
+        seen = logits.setdefault(name, [])
+        eng.runner.decode = lambda seqs, orig=orig, seen=seen: seen.append(orig(seqs)) or seen[-1]
+        eng.generate(UNEVEN, sp)
+    assert all(torch.equal(a, b) for a, b in zip(logits["fp"], logits["off"])) and len(logits["fp"]) == 23
+
+
+def test_a_pool_of_the_same_byte_budget_holds_correspondingly_more_tokens(tiny_models):
+    folder, _ = tiny_models["llama"]
+    model = load_model(folder)
+    cfg = model.config
+    budget = 4 << 20
+    fp = Engine(model, block_size=16, max_batch=4, kv_budget_bytes=budget)
+    assert fp.pool.nbytes <= budget
+    for scheme in (KVScheme(8, 8, v_group=16), KVScheme(4, 4, v_group=16), KVScheme(4, 2, v_group=16)):
+        q = Engine(model, block_size=16, max_batch=4, kv_budget_bytes=budget, kv_scheme=scheme)
+        assert q.pool.nbytes <= budget  # the residual ring counted in
+        per_fp = fp.pool.bytes_per_token
+        assert per_fp == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+        assert q.pool.bytes_per_token == scheme.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        # the measured pool: every stored byte of a block divided by its tokens
+        per_block = sum(t[:, 0].nbytes for k, t in q.pool.store.items() if k not in ("rk", "rv"))
+        assert per_block / 16 == q.pool.bytes_per_token
+        ratio = q.pool.capacity_tokens / fp.pool.capacity_tokens
+        expect = (budget - q.pool.residual_nbytes) / budget * per_fp / q.pool.bytes_per_token
+        assert abs(ratio - expect) < 0.02 * expect, (scheme.describe(), ratio, expect)
+    # and the extra tokens are usable: a request the fp pool cannot hold runs in the KV4 pool
+    small = 128 * fp.pool.bytes_per_token  # 128 fp32 tokens
+    fp = Engine(model, block_size=16, max_batch=1, kv_budget_bytes=small)
+    q4 = Engine(model, block_size=16, max_batch=1, kv_budget_bytes=small, kv_scheme=KVScheme(4, 4, v_group=16))
+    assert fp.pool.capacity_tokens == 128 and q4.pool.capacity_tokens >= 4 * 112
+    long = [2 + i % 120 for i in range(200)]
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    with pytest.raises(Exception, match="KV tokens but the pool holds"):
+        fp.generate([long], sp)
+    assert len(q4.generate([long], sp)[0].output_ids) == 8

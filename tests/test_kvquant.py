@@ -70,7 +70,7 @@ def test_per_channel_k_beats_the_naive_baselines_on_real_smollm2_keys(smollm2):
             kg = k[g: g + 16]
             n = kg.norm()
             errs["per-channel"].append(((dequantize_k_per_channel(quantize_k_per_channel(kg, 4)) - kg).norm() / n))
-            errs["per-token"].append(((dequantize_v_per_token(quantize_k_per_token(kg, 4)) - kg).norm() / n))
+            errs["per-token"].append(((dequantize_v_per_token(quantize_k_per_token(kg, 4, 64)) - kg).norm() / n))
             errs["per-tensor"].append(((dequantize_per_tensor(quantize_per_tensor(kg, 4)) - kg).norm() / n))
     mean = {name: torch.stack(v).mean().item() for name, v in errs.items()}
     print("K4 relative error on SmolLM2 keys", mean)
@@ -79,8 +79,40 @@ def test_per_channel_k_beats_the_naive_baselines_on_real_smollm2_keys(smollm2):
 
 def test_bytes_per_token_are_exact():
     # SmolLM2: 30 layers, 3 KV heads, head_dim 64
-    assert KVScheme().bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 64 * 4  # fp32 cache
-    assert KVScheme().bytes_per_token(30, 3, 64, fp_bytes=2) == 2 * 30 * 3 * 64 * 2  # fp16 cache
+    assert KVScheme(16, 16).bytes_per_token(30, 3, 64) == 2 * 30 * 3 * 64 * 4  # fp32 cache
+    assert KVScheme(16, 16).bytes_per_token(30, 3, 64, fp_bytes=2) == 2 * 30 * 3 * 64 * 2  # fp16 cache
+    # KV8: 192 B of codes + per-channel K statistics (768 B per 16 tokens) + per-token V statistics (24 B)
+    assert KVScheme(8, 8).bytes_per_token(30, 3, 64) == 30 * (192 + 48 + 192 + 24)
     # K4: 96 B of codes + 4 B (fp16 scale + min) per channel per 16 tokens; V2: 48 B + 4 B per 32 channels
     assert KVScheme(k_bits=4, v_bits=2, group=16, v_group=32).bytes_per_token(30, 3, 64) == 30 * (144 + 72)
     assert KVScheme(8, 8, scheme="fp8").bytes_per_token(30, 3, 64) == 30 * 2 * (192 + 2)
+    assert KVScheme(4, 4, scheme="per-tensor").bytes_per_token(30, 3, 64) == 30 * 2 * (96 + 4 / 16)
+    # K16: full precision K, V4 per token
+    assert KVScheme(16, 4).bytes_per_token(30, 3, 64) == 30 * (768 + 96 + 24)
+    assert KVScheme(8, 8, residual=64).residual_bytes(30, 3, 64) == 30 * 2 * 64 * 192 * 4
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"k_bits": 3}, "kv.k_bits"), ({"v_bits": 1}, "kv.v_bits"), ({"scheme": "kivy"}, "kv.scheme"),
+    ({"residual": 24}, "kv.residual"), ({"group": 0}, "kv.group"), ({"scheme": "fp8", "k_bits": 4}, "kv.scheme"),
+])
+def test_bad_schemes_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        KVScheme(**kwargs)
+
+
+@pytest.mark.parametrize("scheme", [KVScheme(8, 8), KVScheme(4, 2), KVScheme(8, 8, scheme="fp8"),
+                                    KVScheme(4, 4, scheme="per-tensor"), KVScheme(4, 4, scheme="per-token-k"),
+                                    KVScheme(16, 4)])
+def test_codecs_dequantize_a_whole_block_table_at_once(scheme):
+    """The batched dequantize (used on every attention read) equals block-by-block dequantize."""
+    blocks = [torch.randn(16, 3, 64, generator=G) * torch.linspace(0.1, 4, 64) for _ in range(5)]
+    for codec in scheme.codecs():
+        qs = [codec.quantize(b) for b in blocks]
+        one = torch.stack([codec.dequantize(q.codes, q.scale, q.minimum) for q in qs])
+        st = [None if getattr(qs[0], a) is None else torch.stack([getattr(q, a) for q in qs])[None]
+              for a in ("scale", "minimum")]
+        many = codec.dequantize(torch.stack([q.codes for q in qs])[None], *st)[0]  # (1, 5, ...) leading dims
+        assert torch.equal(one, many)
+        err = (one - torch.stack(blocks)).norm() / torch.stack(blocks).norm()
+        assert err < {16: 1e-7, 8: 0.05, 4: 0.25, 2: 0.6}[codec.bits], (codec, err)

@@ -9,6 +9,15 @@ RECIPES = sorted(p.stem for p in (Path(__file__).parents[1] / "recipes").glob("*
 
 def test_the_required_recipes_ship():
     assert {"fp32", "w8", "w4g128", "w4g64", "w4g128-asym", "w4g128-awq", "w4g128-gptq"} <= set(RECIPES)
+    assert {"kv8", "kv4", "k4v2", "w4g128-kv4"} <= set(RECIPES)
+
+
+def test_kv_recipes_carry_their_scheme():
+    assert (load_recipe("kv8").kv.k_bits, load_recipe("kv8").kv.v_bits) == (8, 8)
+    assert (load_recipe("k4v2").kv.k_bits, load_recipe("k4v2").kv.v_bits) == (4, 2)
+    combined = load_recipe("w4g128-kv4")
+    assert combined.weights.bits == 4 and combined.weights.group_size == 128 and combined.kv.k_bits == 4
+    assert load_recipe("kv4").weights is None and load_recipe("kv-fp8").kv.scheme == "fp8"
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -34,6 +43,11 @@ def write(tmp_path, text):
     ("name: x\ncalibration: {samples: 0}\n", "calibration.samples"),
     ("weights: {bits: 4}\n", "missing string field 'name'"),
     ("name: [unclosed\n", "not valid YAML"),
+    ("name: x\nkv: {k_bits: 3, v_bits: 4}\n", "kv.k_bits: 3 is not supported"),
+    ("name: x\nkv: {k_bits: 4, v_bitz: 4}\n", "unknown key kv.v_bitz"),
+    ("name: x\nkv: {k_bits: 4, residual: 20}\n", "kv.residual: 20 must be a multiple of kv.group"),
+    ("name: x\nkv: {scheme: int3}\n", "kv.scheme"),
+    ("name: x\nkv: 4\n", "kv must be a mapping"),
 ])
 def test_bad_recipes_name_the_field(tmp_path, text, fragment):
     path = write(tmp_path, text)

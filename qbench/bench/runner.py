@@ -30,6 +30,7 @@ class BenchConfig:
     dtype: str = "fp32"
     variants: tuple[str, ...] = ()  # quantized artifacts run on qbench's engine beside the fp model
     qlinear: tuple[str, ...] = ("native",)  # which low-bit kernels run the variants (see quant/qlinear.py)
+    kv: tuple[str, ...] = ()  # recipes whose kv section runs the fp model with a quantized KV cache
 
     def __post_init__(self):
         for b in self.backends:
@@ -42,10 +43,15 @@ class BenchConfig:
                 raise QBenchError(f"bench: --qlinear {q!r}; choose from native, aten, reference")
         if self.prompt_len < 1 or self.gen_len < 2:
             raise QBenchError("bench: --prompt-len must be >= 1 and --gen-len >= 2")
+        if self.kv and "qbench" not in self.backends:
+            raise QBenchError("bench: --kv compares against qbench's fp cache; keep qbench in --backends")
+        from qbench.quant.recipe import load_kv_scheme
+        for spec in self.kv:
+            load_kv_scheme(spec)  # a bad recipe fails here, before any case runs
 
     @classmethod
     def parse(cls, model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants=(),
-              qlinear="native"):
+              qlinear="native", kv=()):
         def ints(s, name):
             try:
                 return tuple(int(x) for x in s.split(",") if x.strip())
@@ -54,7 +60,8 @@ class BenchConfig:
         return cls(model=model, batch_sizes=ints(batch_sizes, "--batch-sizes"), prompt_len=prompt_len,
                    gen_len=gen_len, backends=tuple(b.strip() for b in backends.split(",") if b.strip()),
                    nocache_batch_sizes=ints(nocache_batch_sizes, "--nocache-batch-sizes"), dtype=dtype,
-                   variants=tuple(variants), qlinear=tuple(x.strip() for x in qlinear.split(",") if x.strip()))
+                   variants=tuple(variants), qlinear=tuple(x.strip() for x in qlinear.split(",") if x.strip()),
+                   kv=tuple(kv))
 
 
 def summarize(raw: dict, prompt_tokens: int) -> dict:
@@ -105,10 +112,25 @@ def run_case(case: dict) -> dict:
             runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
             res["weight_bytes"] = unique_storage_bytes(hf.state_dict().values())
         else:
-            from qbench.quant.artifact import is_artifact, load_artifact
-            model = load_artifact(folder, dtype)[0] if is_artifact(folder) else load_model(folder, dtype)
-            runner = Engine(model, max_batch=B) if backend == "qbench" else NoCacheEngine(model)
+            from qbench.layers.kvquant import kv_memory
+            from qbench.quant.artifact import artifact_kv_scheme, is_artifact, load_artifact
+            from qbench.quant.recipe import load_kv_scheme
+            scheme = None
+            if is_artifact(folder):
+                model, manifest = load_artifact(folder, dtype)
+                scheme = artifact_kv_scheme(manifest, str(folder))
+            else:
+                model = load_model(folder, dtype)
+            if case.get("kv"):
+                scheme = load_kv_scheme(case["kv"])
+            if backend == "qbench":
+                runner = Engine(model, max_batch=B, kv_scheme=scheme, block_size=16 if scheme is None else scheme.group)
+            else:
+                runner = NoCacheEngine(model)
             res["weight_bytes"] = model.weight_bytes()
+            cfg = model.config
+            res["kv"] = kv_memory(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                  torch.empty(0, dtype=dtype).element_size())
         warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
         runner.generate(prompts, warm)
         runner.stats.__init__()
@@ -176,6 +198,12 @@ def plan(cfg: BenchConfig) -> tuple[list[dict], list[str]]:
                 cases.append({"backend": "qbench", "label": f"qbench[{_variant_name(v)}{suffix}]", "batch": b,
                               "model": v, "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len,
                               "dtype": cfg.dtype, "qlinear": impl})
+    for spec in cfg.kv:
+        from qbench.quant.recipe import load_recipe
+        name = load_recipe(spec).name
+        for b in cfg.batch_sizes:
+            cases.append({"backend": "qbench", "label": f"qbench[{name}]", "batch": b, "model": cfg.model,
+                          "prompt_len": cfg.prompt_len, "gen_len": cfg.gen_len, "dtype": cfg.dtype, "kv": spec})
     return cases, skipped
 
 

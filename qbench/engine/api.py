@@ -14,7 +14,7 @@ from qbench.errors import QBenchError
 from qbench.models.config import ModelConfig
 from qbench.models.registry import DTYPES, load_model
 from qbench.models.zoo import resolve_model
-from qbench.quant.artifact import is_artifact, load_artifact
+from qbench.quant.artifact import artifact_kv_scheme, is_artifact, load_artifact
 
 BACKENDS = ("qbench", "hf", "nocache")
 
@@ -42,7 +42,7 @@ class Completion:
 
 class Generator:
     def __init__(self, model: str, backend: str = "qbench", dtype: str = "fp32", block_size: int = 16,
-                 max_batch: int = 16):
+                 max_batch: int = 16, kv_scheme=None):
         if backend not in BACKENDS:
             raise QBenchError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if dtype not in DTYPES:
@@ -56,21 +56,30 @@ class Generator:
         if backend != "hf":
             if is_artifact(self.folder):
                 qmodel, self.manifest = load_artifact(self.folder, torch_dtype)
+                if kv_scheme is None:
+                    kv_scheme = artifact_kv_scheme(self.manifest, str(self.folder))
             else:
                 qmodel = load_model(self.folder, torch_dtype)
         elif is_artifact(self.folder):
             raise QBenchError(f"{self.folder}: a qbench artifact runs on qbench's engine; export it with "
                               f"`qbench export` for transformers, or drop --backend hf")
+        elif kv_scheme is not None:
+            raise QBenchError("a quantized KV cache runs on qbench's engine only; drop --kv or --backend hf")
         self.tokenizer = load_tokenizer(self.folder)
         detok = self.detokenize
         if backend == "hf":
             self.backend = HFBackend(load_hf_model(self.folder, torch_dtype), cfg.max_positions,
                                      self.eos_ids(cfg.eos_token_ids), pad_id=self._pad_id(), detokenize=detok)
         else:
-            if backend == "nocache":
+            if backend == "nocache" and kv_scheme is None:
                 self.backend = NoCacheEngine(qmodel, detokenize=detok)
-            else:
-                self.backend = Engine(qmodel, block_size=block_size, max_batch=max_batch, detokenize=detok)
+            elif backend == "qbench":
+                if kv_scheme is not None:
+                    block_size = kv_scheme.group  # each block is one K group
+                self.backend = Engine(qmodel, block_size=block_size, max_batch=max_batch, detokenize=detok,
+                                      kv_scheme=kv_scheme)
+            elif kv_scheme is not None:
+                raise QBenchError("the nocache backend keeps no KV cache to quantize; drop --kv or the kv artifact")
             self.backend.eos_ids = self.eos_ids(qmodel.config.eos_token_ids)
 
     def eos_ids(self, config_eos: tuple[int, ...]) -> set[int]:

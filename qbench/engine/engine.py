@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from qbench.engine.block_manager import BlockManager
-from qbench.engine.kv_cache import KVPool, QuantKVPool
+from qbench.engine.kv_cache import KVPool, QuantKVPool, blocks_in_budget
 from qbench.engine.runner import ModelRunner
 from qbench.engine.sampling import SamplingParams, sample_batch
 from qbench.engine.sequence import Sequence, make_sequences
@@ -33,9 +33,16 @@ class StepStats:
 class Engine:
     def __init__(self, model: CausalLM, block_size: int = 16, max_batch: int = 16,
                  kv_capacity_tokens: int | None = None, detokenize: Callable[[list[int]], str] | None = None,
-                 kv_scheme=None):
+                 kv_scheme=None, kv_budget_bytes: int | None = None):
         if block_size < 1 or max_batch < 1:
             raise QBenchError(f"engine: block_size ({block_size}) and max_batch ({max_batch}) must be >= 1")
+        if kv_scheme is not None and not kv_scheme.quantized:
+            kv_scheme = None  # K16V16 is the full-precision cache itself
+        if kv_scheme is not None:
+            try:
+                kv_scheme.check(block_size, model.config.head_dim)
+            except ValueError as e:
+                raise QBenchError(f"engine: {e}") from None
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -47,6 +54,15 @@ class Engine:
         self.blocks: BlockManager | None = None
         self.runner: ModelRunner | None = None
         self.stats = StepStats()
+        if kv_budget_bytes is not None:
+            if kv_capacity_tokens is not None:
+                raise QBenchError("engine: give a KV capacity in tokens or a byte budget, not both")
+            cfg = model.config
+            blocks = blocks_in_budget(kv_budget_bytes, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                      model.dtype, kv_scheme, max_batch)
+            if blocks < 1:
+                raise QBenchError(f"engine: a KV budget of {kv_budget_bytes} bytes holds no block; raise it")
+            kv_capacity_tokens = blocks * block_size
         self.fixed_capacity = kv_capacity_tokens is not None
         if kv_capacity_tokens is not None:
             self._ensure_pool(kv_capacity_tokens)

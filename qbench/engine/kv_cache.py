@@ -8,28 +8,37 @@ from qbench.layers.kv import BlockKV, QuantBlockKV
 from qbench.layers.kvquant import KVScheme
 
 
+def quant_store_shapes(num_blocks: int, block_size: int, nkv: int, hd: int, dtype: torch.dtype,
+                       scheme: KVScheme, max_seqs: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """One layer's tensors of a quantized pool: codes (c), scales (s) and minimums (m) of K and V per
+    block, and the full-precision residual ring (rk, rv) of R / G blocks per sequence slot."""
+    out = {}
+    for prefix, codec in zip("kv", scheme.codecs()):
+        code_dtype = dtype if codec.mode == "none" else torch.uint8
+        out[prefix + "c"] = ((num_blocks, *codec.code_shape(block_size, nkv, hd)), code_dtype)
+        stat = codec.stat_shape(block_size, nkv, hd)
+        if stat is not None:
+            out[prefix + "s"] = ((num_blocks, *stat), torch.float16)
+            if codec.has_min:
+                out[prefix + "m"] = ((num_blocks, *stat), torch.float16)
+    for name in ("rk", "rv"):
+        out[name] = ((max_seqs, scheme.windows, block_size, nkv, hd), dtype)
+    return out
+
+
 class QuantKVPool:
-    """A KIVI-quantized pool: every layer's quantized blocks, plus one full-precision residual block per
-    sequence slot (the tokens of each sequence's unfinished block)."""
+    """A quantized pool: every layer's quantized blocks plus the residual ring of each sequence slot."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, scheme: KVScheme, max_seqs: int):
-        if scheme.group != block_size or scheme.residual != block_size:
-            raise ValueError(f"KV group and residual window must equal the block size ({block_size}) for now")
-        L, nb, bs, nkv, hd = num_layers, num_blocks, block_size, num_kv_heads, head_dim
-        u8, f16 = torch.uint8, torch.float16
-        self.store = {
-            "kq": torch.zeros(L, nb, bs, nkv, hd * scheme.k_bits // 8, dtype=u8),
-            "k_scale": torch.zeros(L, nb, nkv, hd, dtype=f16), "k_min": torch.zeros(L, nb, nkv, hd, dtype=f16),
-            "vq": torch.zeros(L, nb, bs, nkv, hd * scheme.v_bits // 8, dtype=u8),
-            "v_scale": torch.zeros(L, nb, bs, nkv, hd // scheme.v_group, dtype=f16),
-            "v_min": torch.zeros(L, nb, bs, nkv, hd // scheme.v_group, dtype=f16),
-            "rk": torch.zeros(L, max_seqs, bs, nkv, hd, dtype=dtype),
-            "rv": torch.zeros(L, max_seqs, bs, nkv, hd, dtype=dtype),
-        }
+        scheme.check(block_size, head_dim)
+        shapes = quant_store_shapes(num_blocks, block_size, num_kv_heads, head_dim, dtype, scheme, max_seqs)
+        self.store = {k: torch.zeros((num_layers, *shape), dtype=dt) for k, (shape, dt) in shapes.items()}
         self.num_blocks, self.block_size, self.scheme = num_blocks, block_size, scheme
-        self.layers = [QuantBlockKV({k: t[i] for k, t in self.store.items()}, scheme) for i in range(L)]
-        self.bytes_per_token = scheme.bytes_per_token(L, nkv, hd, torch.empty(0, dtype=dtype).element_size())
+        self.layers = [QuantBlockKV({k: t[i] for k, t in self.store.items()}, scheme) for i in range(num_layers)]
+        fp = torch.empty(0, dtype=dtype).element_size()
+        self.bytes_per_token = scheme.bytes_per_token(num_layers, num_kv_heads, head_dim, fp)
+        self.residual_nbytes = self.store["rk"].nbytes + self.store["rv"].nbytes
 
     @property
     def nbytes(self) -> int:
@@ -38,6 +47,18 @@ class QuantKVPool:
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+def blocks_in_budget(budget_bytes: int, num_layers: int, block_size: int, nkv: int, hd: int, dtype: torch.dtype,
+                     scheme: KVScheme | None, max_seqs: int) -> int:
+    """How many blocks a pool of ``budget_bytes`` holds, the residual ring of a quantized pool included."""
+    fp = torch.empty(0, dtype=dtype).element_size()
+    if scheme is None:
+        per_block, fixed = 2 * num_layers * block_size * nkv * hd * fp, 0
+    else:
+        per_block = round(scheme.bytes_per_token(num_layers, nkv, hd, fp) * block_size)
+        fixed = max_seqs * scheme.residual_bytes(num_layers, nkv, hd, fp)
+    return max(0, (budget_bytes - fixed) // per_block)
 
 
 class KVPool:

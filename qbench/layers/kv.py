@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from qbench.layers import kvquant as kq
-
 
 class BlockKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
@@ -38,76 +36,84 @@ class BlockKV:
 
 
 class QuantBlockKV:
-    """Per-layer view of a quantized block pool (KIVI): K per channel over each block's tokens, V per
-    token in channel groups, and the tokens of each sequence's unfinished block in a full-precision
-    residual slot. A block is quantized exactly once, when its last token is written; quantized bytes
-    never change after that.
+    """Per-layer view of a quantized block pool (KIVI): K and V of each completed block stored through
+    the scheme's codecs, and each sequence's newest tokens in a full-precision residual ring of R / G
+    blocks. A block is quantized exactly once, when it leaves the residual window; its bytes never change
+    after that.
     """
 
     native = False  # attention reads it through ``read_meta``, not the native kernel
 
     def __init__(self, store: dict, scheme):
-        self.s = store  # tensors of this layer: kq, k_scale, k_min, vq, v_scale, v_min, rk, rv
+        self.s = store  # this layer's tensors: kc, ks, km, vc, vs, vm (codes, scale, min), rk, rv (residual)
         self.scheme = scheme
+        self.kcodec, self.vcodec = scheme.codecs()
+        self.windows = scheme.windows
 
     @property
     def block_size(self) -> int:
-        return self.s["rk"].shape[1]
+        return self.s["rk"].shape[2]
 
-    def _quantize_block(self, block: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (bs, nkv, hd) full precision -> stored codes and statistics of ``block``."""
-        sc = self.scheme
-        qk = kq.quantize_k_per_channel(k, sc.k_bits)
-        self.s["kq"][block] = qk.codes
-        self.s["k_scale"][block], self.s["k_min"][block] = qk.scale, qk.minimum
-        qv = kq.quantize_v_per_token(v, sc.v_bits, sc.v_group)
-        self.s["vq"][block] = qv.codes
-        self.s["v_scale"][block], self.s["v_min"][block] = qv.scale, qv.minimum
+    def quantized_blocks(self, n: int) -> int:
+        """Blocks of a sequence of n tokens that are stored quantized: all but the residual window."""
+        return max(0, n // self.block_size - (self.windows - 1))
+
+    def _store(self, prefix: str, codec, block: int, x: torch.Tensor) -> None:
+        q = codec.quantize(x)
+        self.s[prefix + "c"][block] = q.codes
+        if q.scale is not None:
+            self.s[prefix + "s"][block] = q.scale
+        if q.minimum is not None:
+            self.s[prefix + "m"][block] = q.minimum
 
     def write_meta(self, meta, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (N, nkv, hd): the real new tokens of this step, sequence by sequence in position order."""
-        bs = self.block_size
-        rk, rv = self.s["rk"], self.s["rv"]
-        ctx = meta.context_lens.tolist()
-        slots = meta.kv_slots.tolist()
-        counts = meta.new_tokens.tolist()
+        bs, W = self.block_size, self.windows
+        rk, rv = self.s["rk"], self.s["rv"]  # (seqs, W, bs, nkv, hd)
+        ctx, slots, counts = meta.context_lens.tolist(), meta.kv_slots.tolist(), meta.new_tokens.tolist()
         tables = meta.block_tables
         start = 0
         for b, n in enumerate(counts):
             before, after, r = ctx[b] - n, ctx[b], slots[b]
             kb, vb = k[start: start + n], v[start: start + n]
             start += n
-            for j in range(before // bs, after // bs):  # blocks that complete in this step
+            qa = self.quantized_blocks(after)
+            for j in range(self.quantized_blocks(before), qa):  # blocks that leave the window now
                 lo = j * bs
-                old = max(before - lo, 0)  # tokens of block j already in the residual slot
-                take = slice(max(lo - before, 0), max(lo - before, 0) + bs - old)
-                fk = torch.cat([rk[r, :old], kb[take]]) if old else kb[take]
-                fv = torch.cat([rv[r, :old], vb[take]]) if old else vb[take]
-                self._quantize_block(int(tables[b, j]), fk, fv)
-            tail = max(after // bs * bs, before)  # positions of the unfinished block written now
-            if tail < after:
-                off = tail % bs
-                rk[r, off: off + after - tail] = kb[tail - before:]
-                rv[r, off: off + after - tail] = vb[tail - before:]
+                old = min(max(before - lo, 0), bs)  # tokens of block j already in the ring
+                new = slice(lo + old - before, lo + bs - before)
+                fk = torch.cat([rk[r, j % W, :old], kb[new]]) if old else kb[new]
+                fv = torch.cat([rv[r, j % W, :old], vb[new]]) if old else vb[new]
+                blk = int(tables[b, j])
+                self._store("k", self.kcodec, blk, fk)
+                self._store("v", self.vcodec, blk, fv)
+            for p0 in range(max(before, qa * bs), after, bs):  # the rest goes into the ring, block by block
+                j, off = p0 // bs, p0 % bs
+                p1 = min(after, (j + 1) * bs)
+                rk[r, j % W, off: off + p1 - p0] = kb[p0 - before: p1 - before]
+                rv[r, j % W, off: off + p1 - p0] = vb[p0 - before: p1 - before]
 
     def read_meta(self, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual."""
+        """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual ring."""
         bt = meta.block_tables
         B, nblk = bt.shape
-        s, sc = self.s, self.scheme
-        bs, nkv, hd = s["rk"].shape[1:]
-        k = kq.unpack_bits(s["kq"][bt], sc.k_bits).float() * s["k_scale"][bt].float()[:, :, None] \
-            + s["k_min"][bt].float()[:, :, None]  # (B, nblk, bs, nkv, hd)
-        g = hd // s["v_scale"].shape[-1]
-        vc = kq.unpack_bits(s["vq"][bt], sc.v_bits).float().view(B, nblk, bs, nkv, -1, g)
-        v = (vc * s["v_scale"][bt].float()[..., None] + s["v_min"][bt].float()[..., None]).view(B, nblk, bs, nkv, hd)
+        s = self.s
+        bs, nkv, hd = s["rk"].shape[2:]
+
+        def load(prefix: str, codec) -> torch.Tensor:  # (B, nblk, bs, nkv, hd)
+            stat = [s[prefix + x][bt] if prefix + x in s else None for x in ("s", "m")]
+            return codec.dequantize(s[prefix + "c"][bt], *stat)
+
+        k, v = load("k", self.kcodec), load("v", self.vcodec)
         ctx = meta.context_lens
-        partial = (ctx % bs) != 0
-        if bool(partial.any()):
-            rows = partial.nonzero()[:, 0]
-            last = ctx[rows] // bs
-            k[rows, last] = s["rk"][meta.kv_slots[rows]].float()
-            v[rows, last] = s["rv"][meta.kv_slots[rows]].float()
+        nq = (ctx // bs - (self.windows - 1)).clamp(min=0)  # (B,) quantized blocks per row
+        used = (ctx + bs - 1) // bs
+        j = torch.arange(nblk)
+        rows, cols = ((j[None] >= nq[:, None]) & (j[None] < used[:, None])).nonzero(as_tuple=True)
+        if rows.numel():
+            ring = (meta.kv_slots[rows], cols % self.windows)
+            k[rows, cols] = s["rk"][ring].float()
+            v[rows, cols] = s["rv"][ring].float()
         k = k.view(B, nblk * bs, nkv, hd).transpose(1, 2)
         v = v.view(B, nblk * bs, nkv, hd).transpose(1, 2)
         return k, v

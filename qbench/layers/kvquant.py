@@ -1,4 +1,4 @@
-"""KV-cache quantization math (KIVI semantics), as pure tensor functions.
+"""KV-cache quantization math (KIVI semantics), as pure tensor functions, and the scheme that picks them.
 
 Keys have per-channel outliers and values do not (the seeds, KIVI), so:
 - K is quantized per channel: min/max statistics over a group of G tokens, one (scale, min) per
@@ -6,10 +6,10 @@ Keys have per-channel outliers and values do not (the seeds, KIVI), so:
 - V is quantized per token: statistics over groups of ``group`` channels along head_dim.
 Both are asymmetric min/max at 8, 4 or 2 bits, with FP16 scale and min. FP8 (e4m3) with a per-token
 scale is another scheme. Naive baselines exist so that the asymmetry can be measured, not assumed:
-per-tensor INT8/INT4 and per-token K.
+per-tensor INT8/INT4 (one scale and min per block of G tokens, all heads and channels) and per-token K.
 
-Layout of one group of G tokens of K: codes (G, nkv, hd) packed along hd, scale/min (nkv, hd).
-Layout of V for T tokens: codes (T, nkv, hd) packed along hd, scale/min (T, nkv, hd // group).
+Every dequantize function takes any number of leading dimensions, so one call dequantizes a whole
+block table: codes (..., G, nkv, hd * bits / 8) with statistics (..., *stat_shape).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 BITS = (8, 4, 2)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCHEMES = ("kivi", "fp8", "per-tensor", "per-token-k")
 
 
 @dataclass
@@ -28,7 +29,7 @@ class QKV:
 
     codes: torch.Tensor  # uint8, last dim = hd * bits / 8
     scale: torch.Tensor  # fp16
-    minimum: torch.Tensor | None  # fp16; None for FP8 and symmetric baselines
+    minimum: torch.Tensor | None  # fp16; None for FP8
     bits: int
     shape: tuple[int, ...]
 
@@ -63,10 +64,6 @@ def _minmax_quant(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]) -> Q
     return QKV(pack_bits(codes, bits), scale, lo16, bits, tuple(x.shape))
 
 
-def _minmax_dequant(q: QKV) -> torch.Tensor:
-    return unpack_bits(q.codes, q.bits).float() * q.scale.float() + q.minimum.float()
-
-
 def quantize_k_per_channel(k: torch.Tensor, bits: int) -> QKV:
     """One full group of keys (G, nkv, hd) -> statistics over the G tokens, per (head, channel)."""
     q = _minmax_quant(k, bits, (0,))
@@ -75,7 +72,8 @@ def quantize_k_per_channel(k: torch.Tensor, bits: int) -> QKV:
 
 
 def dequantize_k_per_channel(q: QKV) -> torch.Tensor:
-    return unpack_bits(q.codes, q.bits).float() * q.scale.float() + q.minimum.float()
+    """codes (..., G, nkv, cw), scale/min (..., nkv, hd) -> (..., G, nkv, hd)."""
+    return unpack_bits(q.codes, q.bits).float() * q.scale.float().unsqueeze(-3) + q.minimum.float().unsqueeze(-3)
 
 
 def quantize_v_per_token(v: torch.Tensor, bits: int, group: int) -> QKV:
@@ -88,10 +86,11 @@ def quantize_v_per_token(v: torch.Tensor, bits: int, group: int) -> QKV:
 
 
 def dequantize_v_per_token(q: QKV) -> torch.Tensor:
-    T, nkv, hd = q.shape
-    g = hd // q.scale.shape[-1]
-    codes = unpack_bits(q.codes, q.bits).float().view(T, nkv, -1, g)
-    return (codes * q.scale.float()[..., None] + q.minimum.float()[..., None]).view(T, nkv, hd)
+    """codes (..., T, nkv, cw), scale/min (..., T, nkv, hd / group) -> (..., T, nkv, hd)."""
+    codes = unpack_bits(q.codes, q.bits).float()
+    ng = q.scale.shape[-1]
+    c = codes.view(*codes.shape[:-1], ng, codes.shape[-1] // ng)
+    return (c * q.scale.float()[..., None] + q.minimum.float()[..., None]).flatten(-2)
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> QKV:
@@ -102,44 +101,162 @@ def quantize_fp8_per_token(x: torch.Tensor) -> QKV:
 
 
 def dequantize_fp8_per_token(q: QKV) -> torch.Tensor:
-    return q.codes.view(torch.float8_e4m3fn).float() * q.scale.float()[:, None, None]
+    """codes (..., T, nkv, hd), scale (..., T) -> (..., T, nkv, hd)."""
+    return q.codes.view(torch.float8_e4m3fn).float() * q.scale.float()[..., None, None]
 
 
 def quantize_per_tensor(x: torch.Tensor, bits: int) -> QKV:
-    """Naive baseline: one min/max for the whole tensor."""
+    """Naive baseline: one min/max for the whole tensor; scale and min have shape (1,)."""
     q = _minmax_quant(x, bits, tuple(range(x.dim())))
-    q.scale, q.minimum = q.scale.reshape(()), q.minimum.reshape(())
+    q.scale, q.minimum = q.scale.reshape(1), q.minimum.reshape(1)
     return q
 
 
 def dequantize_per_tensor(q: QKV) -> torch.Tensor:
-    return unpack_bits(q.codes, q.bits).float() * q.scale.float() + q.minimum.float()
+    """codes (..., *shape), scale/min (..., 1) -> (..., *shape) for a 3-d ``shape``."""
+    codes = unpack_bits(q.codes, q.bits).float()
+    return codes * q.scale.float()[..., None, None] + q.minimum.float()[..., None, None]
 
 
-def quantize_k_per_token(k: torch.Tensor, bits: int) -> QKV:
-    """Naive baseline for K: statistics per token over all channels of a head, as V is done."""
-    return quantize_v_per_token(k, bits, k.shape[-1])
+def quantize_k_per_token(k: torch.Tensor, bits: int, group: int) -> QKV:
+    """Naive baseline for K: statistics per token over channel groups, as V is done."""
+    return quantize_v_per_token(k, bits, group)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one of K or V is stored in a block of G tokens: the layout of its codes and statistics."""
+
+    mode: str  # none | channel | token | tensor | fp8
+    bits: int
+    group: int = 0  # channels per statistic, for ``token``
+
+    def code_shape(self, G: int, nkv: int, hd: int) -> tuple[int, ...]:
+        return (G, nkv, hd if self.mode == "none" else hd * self.bits // 8)
+
+    def stat_shape(self, G: int, nkv: int, hd: int) -> tuple[int, ...] | None:
+        return {"none": None, "channel": (nkv, hd), "token": (G, nkv, hd // max(self.group, 1)),
+                "tensor": (1,), "fp8": (G,)}[self.mode]
+
+    @property
+    def has_min(self) -> bool:
+        return self.mode in ("channel", "token", "tensor")
+
+    def quantize(self, x: torch.Tensor) -> QKV:
+        """x (G, nkv, hd) -> codes and statistics in the shapes above."""
+        if self.mode == "channel":
+            return quantize_k_per_channel(x, self.bits)
+        if self.mode == "token":
+            return quantize_v_per_token(x, self.bits, self.group)
+        if self.mode == "tensor":
+            return quantize_per_tensor(x, self.bits)
+        if self.mode == "fp8":
+            return quantize_fp8_per_token(x)
+        return QKV(x, None, None, 16, tuple(x.shape))
+
+    def dequantize(self, codes: torch.Tensor, scale, minimum) -> torch.Tensor:
+        q = QKV(codes, scale, minimum, self.bits, ())
+        fn = {"channel": dequantize_k_per_channel, "token": dequantize_v_per_token, "tensor": dequantize_per_tensor,
+              "fp8": dequantize_fp8_per_token}.get(self.mode)
+        return codes.float() if fn is None else fn(q)
+
+    def block_bytes(self, G: int, nkv: int, hd: int, fp_bytes: int) -> int:
+        """Exact bytes one block of G tokens of this tensor occupies (codes plus statistics)."""
+        n = 1
+        for d in self.code_shape(G, nkv, hd):
+            n *= d
+        if self.mode == "none":
+            return n * fp_bytes
+        s = 1
+        for d in self.stat_shape(G, nkv, hd):
+            s *= d
+        return n + 2 * s * (2 if self.has_min else 1)
 
 
 @dataclass(frozen=True)
 class KVScheme:
-    k_bits: int = 16
-    v_bits: int = 16
-    group: int = 16  # tokens per K group (default: the block size)
-    v_group: int = 32  # channels per V group
-    residual: int = 16  # tokens kept in full precision, a multiple of ``group``
-    scheme: str = "kivi"  # kivi | fp8 | per-tensor | per-token-k
+    """A quantized KV cache: bit widths of K and V (16 keeps one in full precision), the K group of G
+    tokens (the engine's block size), channels per V group, the full-precision residual window R (a
+    multiple of G) and the scheme: kivi, fp8, or the naive baselines per-tensor and per-token-k."""
+
+    k_bits: int = 8
+    v_bits: int = 8
+    group: int = 16
+    v_group: int = 32
+    residual: int = 16
+    scheme: str = "kivi"
+
+    def __post_init__(self):
+        for name in ("k_bits", "v_bits"):
+            v = getattr(self, name)
+            if v not in BITS + (16,):
+                raise ValueError(f"kv.{name}: {v!r} is not supported (supported: 8, 4, 2, or 16 for full precision)")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"kv.scheme: {self.scheme!r} is not one of {', '.join(SCHEMES)}")
+        if self.scheme == "fp8" and (self.k_bits, self.v_bits) != (8, 8):
+            raise ValueError("kv.scheme: fp8 stores 8 bits for K and V; set k_bits and v_bits to 8")
+        for name in ("group", "v_group", "residual"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"kv.{name}: {v!r} must be a positive integer")
+        if self.residual % self.group:
+            raise ValueError(f"kv.residual: {self.residual} must be a multiple of kv.group ({self.group})")
+
+    @property
+    def quantized(self) -> bool:
+        return (self.k_bits, self.v_bits) != (16, 16)
+
+    @property
+    def windows(self) -> int:
+        """Blocks of full-precision residual per sequence."""
+        return self.residual // self.group
+
+    def codecs(self) -> tuple[Codec, Codec]:
+        def one(bits: int, mode: str) -> Codec:
+            if bits == 16:
+                return Codec("none", 16)
+            return Codec(mode, bits, self.v_group)
+        k_mode = {"kivi": "channel", "fp8": "fp8", "per-tensor": "tensor", "per-token-k": "token"}[self.scheme]
+        v_mode = {"fp8": "fp8", "per-tensor": "tensor"}.get(self.scheme, "token")
+        return one(self.k_bits, k_mode), one(self.v_bits, v_mode)
+
+    def check(self, block_size: int, head_dim: int) -> None:
+        if self.group != block_size:
+            raise ValueError(f"kv.group: {self.group} must equal the engine's block size ({block_size}): "
+                             f"each block is one K group")
+        if any(c.mode == "token" for c in self.codecs()) and head_dim % self.v_group:
+            raise ValueError(f"kv.v_group: {self.v_group} does not divide the model's head_dim {head_dim}")
 
     def bytes_per_token(self, num_layers: int, nkv: int, hd: int, fp_bytes: int = 4) -> float:
-        """Bytes per cached token in steady state (the residual window excluded), all layers."""
-        if self.scheme == "fp8":
-            per = 2 * (nkv * hd + 2)  # one byte per element, one fp16 scale per token, K and V
-            return num_layers * per
-        k = nkv * hd * (fp_bytes if self.k_bits == 16 else self.k_bits / 8)
-        v = nkv * hd * (fp_bytes if self.v_bits == 16 else self.v_bits / 8)
-        if self.scheme == "kivi":
-            if self.k_bits != 16:
-                k += 4 * nkv * hd / self.group  # fp16 scale + min per channel per group of tokens
-            if self.v_bits != 16:
-                v += 4 * nkv * hd / self.v_group  # fp16 scale + min per token per channel group
-        return num_layers * (k + v)
+        """Bytes per cached token in steady state, all layers; the residual window is a fixed per-sequence
+        overhead (``residual_bytes``) on top."""
+        k, v = self.codecs()
+        G = self.group
+        return num_layers * (k.block_bytes(G, nkv, hd, fp_bytes) + v.block_bytes(G, nkv, hd, fp_bytes)) / G
+
+    def residual_bytes(self, num_layers: int, nkv: int, hd: int, fp_bytes: int = 4) -> int:
+        return num_layers * 2 * self.residual * nkv * hd * fp_bytes
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return "fp"
+        name = {"kivi": "", "fp8": "fp8 ", "per-tensor": "per-tensor ", "per-token-k": "per-token-K "}[self.scheme]
+        return f"{name}K{self.k_bits}V{self.v_bits} G{self.group} R{self.residual}"
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+        return asdict(self)
+
+
+def kv_memory(scheme: KVScheme | None, num_layers: int, nkv: int, hd: int, fp_bytes: int = 4) -> dict:
+    """Exact KV bytes per token of ``scheme`` (None: the full-precision cache) against fp16 and fp32 caches."""
+    fp16 = 2 * num_layers * nkv * hd * 2
+    fp32 = 2 * fp16
+    if scheme is None or not scheme.quantized:
+        per, resid = 2 * num_layers * nkv * hd * fp_bytes, 0
+    else:
+        per, resid = scheme.bytes_per_token(num_layers, nkv, hd, fp_bytes), scheme.residual_bytes(
+            num_layers, nkv, hd, fp_bytes)
+    return {"scheme": "fp" if scheme is None else scheme.describe(), "bytes_per_token": per,
+            "fp16_bytes_per_token": fp16, "fp32_bytes_per_token": fp32, "vs_fp16": per / fp16, "vs_fp32": per / fp32,
+            "residual_bytes_per_sequence": resid}

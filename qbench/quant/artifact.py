@@ -167,6 +167,15 @@ class QuantFactory:
         return make_qlinear(q, bias)
 
 
+def artifact_kv_scheme(manifest: dict, where: str):
+    """The KV-cache scheme an artifact's manifest records, or None for a full-precision cache."""
+    from qbench.quant.recipe import kv_from_dict
+    kv = manifest.get("kv")
+    if kv is None:
+        return None
+    return kv_from_dict({k: v for k, v in kv.items() if k != "memory"}, f"{where}/{MANIFEST}")
+
+
 def load_artifact(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, dict]:
     from qbench.models.registry import load_model
 

@@ -10,6 +10,7 @@ import torch
 
 from qbench import __version__
 from qbench.errors import QBenchError
+from qbench.layers.kvquant import kv_memory
 from qbench.models.weights import weight_files
 from qbench.models.zoo import SOURCE_FILE, resolve_model, sha256_file
 from qbench.paths import atomic_dir
@@ -42,6 +43,11 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print) -> dic
     if out.exists() and any(out.iterdir()) and not is_artifact(out):
         raise QBenchError(f"{out}: exists and is not a qbench artifact; choose another --out")
     model = load_model(folder, torch.float32)
+    if recipe.kv is not None:
+        try:
+            recipe.kv.check(recipe.kv.group, model.config.head_dim)
+        except ValueError as e:
+            raise QBenchError(f"{recipe_spec}: {e}") from None
     torch.manual_seed(recipe.calibration.seed)
     calib, calib_record = None, None
     if recipe.needs_calibration:
@@ -66,7 +72,8 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print) -> dic
         "calibration": calib_record, "layers": [] if result is None else result.layers,
         "quantize_seconds": None if result is None else round(result.seconds, 2),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "kv": recipe.kv,
+        "kv": None if recipe.kv is None else dict(recipe.kv.to_dict(), memory=kv_memory(
+            recipe.kv, model.config.num_layers, model.config.num_kv_heads, model.config.head_dim)),
     }
     with atomic_dir(out) as tmp:
         manifest = save_artifact(model, folder, tmp, scheme, {} if result is None else result.qtensors, manifest)

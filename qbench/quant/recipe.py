@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from qbench.errors import QBenchError
+from qbench.layers.kvquant import KVScheme
 from qbench.quant.primitives import GROUP_SIZES
 
 METHODS = ("rtn", "awq", "gptq")
@@ -105,7 +106,7 @@ class Recipe:
     calibration: Calibration = field(default_factory=Calibration)
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     awq: AWQOptions = field(default_factory=AWQOptions)
-    kv: dict | None = None  # the quantized KV cache section (validated by the KV-cache code)
+    kv: KVScheme | None = None  # None: a full-precision KV cache
 
     @property
     def needs_calibration(self) -> bool:
@@ -138,10 +139,24 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
         obj.validate(where)
         kwargs[section] = obj
     if data.get("kv") is not None:
-        if not isinstance(data["kv"], dict):
-            raise RecipeError(f"{where}: kv must be a mapping")
-        kwargs["kv"] = dict(data["kv"])
+        kwargs["kv"] = kv_from_dict(data["kv"], where)
     return Recipe(**kwargs)
+
+
+def kv_from_dict(raw, where: str) -> KVScheme:
+    _check_keys(where, "kv", raw, KVScheme)
+    try:
+        return KVScheme(**raw)
+    except (TypeError, ValueError) as e:
+        raise RecipeError(f"{where}: {e}") from None
+
+
+def load_kv_scheme(spec: str) -> KVScheme:
+    """The ``kv`` section of a recipe (by name or file), for running a model with a quantized KV cache."""
+    recipe = load_recipe(spec)
+    if recipe.kv is None:
+        raise RecipeError(f"{spec}: this recipe has no kv section; use kv8, kv4, k4v2, kv-fp8 or a file with one")
+    return recipe.kv
 
 
 def load_recipe(spec: str, recipes_dir: Path | None = None) -> Recipe:
