@@ -153,6 +153,24 @@ def export(artifact, fmt, out_dir):
     click.echo(str(run_export(Path(artifact), fmt, Path(out_dir))))
 
 
+@cli.command(name="eval")
+@click.argument("model")
+@click.option("--suite", "suite", required=True, help="An eval suite YAML, e.g. evals/quick.yaml.")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="The run folder, e.g. artifacts/runs/w8.")
+@click.option("--baseline", type=click.Path(), help="A finished run of the fp baseline under the same suite.")
+@click.option("--batch-size", type=int, help="Override the suite's batch size.")
+@click.option("--kv", help="Run MODEL with this recipe's quantized KV cache (e.g. kv4).")
+def eval_cmd(model, suite, out_dir, baseline, batch_size, kv):
+    """Score MODEL (an fp model or an artifact) on a suite, against a baseline run when given."""
+    from qbench.evals.run import run_eval
+
+    record = run_eval(model, suite, Path(out_dir), None if baseline is None else Path(baseline), batch_size, kv,
+                      log=lambda m: click.echo(m, err=True))
+    from qbench.evals.summary import render_summary
+    click.echo(render_summary(record))
+    click.echo(f"wrote {Path(out_dir) / 'results.json'}", err=True)
+
+
 def main(argv=None):
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

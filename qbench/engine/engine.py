@@ -97,6 +97,28 @@ class Engine:
             self._run_wave(wave)
         return seqs
 
+    def score(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced log-probs: each list in one prefill through the cache (quantized or not),
+        -> log_softmax logits (T_i, V) at every position, float32."""
+        seqs = make_sequences(token_lists, SamplingParams(max_new_tokens=1), self.config.max_positions)
+        if not self.fixed_capacity:
+            need = sorted((self.blocks_needed(len(s)) * self.block_size for s in seqs), reverse=True)
+            self._ensure_pool(sum(need[: self.max_batch]))
+        out = []
+        for i in range(0, len(seqs), self.max_batch):
+            wave = seqs[i: i + self.max_batch]
+            for j, s in enumerate(wave):
+                s.kv_slot = j
+                self.blocks.reserve(s, len(s))
+            logits = self.runner.prefill(wave, all_logits=True)  # (B, T, V)
+            for j, s in enumerate(wave):
+                out.append(torch.log_softmax(logits[j, : len(s)], dim=-1))
+                self.blocks.release(s)
+        return out
+
+    def blocks_needed(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
     def _take_wave(self, pending: list[Sequence]) -> list[Sequence]:
         wave, blocks = [], 0
         while pending and len(wave) < self.max_batch:

@@ -20,8 +20,9 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int64)
 
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run every uncached token of ``seqs`` in one pass -> logits (B, V) at each last token.
+    def prefill(self, seqs: list[Sequence], all_logits: bool = False) -> torch.Tensor:
+        """Run every uncached token of ``seqs`` in one pass -> logits (B, V) at each last token, or
+        (B, T, V) at every position with ``all_logits`` (rows right-padded to the longest chunk).
 
         Rows are right-padded to the longest chunk; pad tokens are never written to the cache
         and every real token keeps its own absolute position.
@@ -49,7 +50,8 @@ class ModelRunner:
             new_tokens=torch.tensor([len(c) for c in chunks], dtype=torch.int64),
         )
         last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64)
-        logits = self.model(torch.tensor(ids, dtype=torch.int64), meta, self.pool.layers, logits_index=last)
+        logits = self.model(torch.tensor(ids, dtype=torch.int64), meta, self.pool.layers,
+                            logits_index=None if all_logits else last)
         for s in seqs:
             s.num_cached = len(s)
         return logits

@@ -1,0 +1,101 @@
+"""`qbench eval MODEL_OR_ARTIFACT --suite S --out RUN [--baseline RUN]`: run a suite, resumably.
+
+A run folder is created with ``run.json`` (what is being evaluated, under which suite) before any task
+runs; tasks write per-item records as they go; ``results.json`` is written last and atomically. Re-running
+the same command into the same folder picks up from the records. A baseline must have been made under
+the same suite (same tasks, sizes and seed, compared by hash).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qbench.errors import QBenchError
+from qbench.evals.store import RunStore
+from qbench.evals.suite import Suite, load_suite
+from qbench.paths import atomic_write_text
+
+
+@dataclass
+class RunContext:
+    store: RunStore
+    base_store: RunStore | None
+    baseline: dict | None  # the baseline's results.json
+    seed: int
+    suite_path: str
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def read_baseline(path: Path, suite: Suite) -> dict:
+    res = Path(path) / "results.json"
+    if not res.is_file():
+        raise QBenchError(f"{path}: not a finished qbench eval run (no results.json); run the baseline first")
+    try:
+        base = json.loads(res.read_text())
+    except json.JSONDecodeError as e:
+        raise QBenchError(f"{res}: unreadable ({e}); re-run the baseline") from None
+    b = base.get("suite", {})
+    if b.get("hash") != suite.hash or b.get("seed") != suite.seed:
+        raise QBenchError(f"{path}: the baseline was made under suite {b.get('name')!r} (hash {b.get('hash')}, seed "
+                          f"{b.get('seed')}), this run uses {suite.name!r} (hash {suite.hash}, seed {suite.seed}); "
+                          f"re-run the baseline with this suite")
+    return base
+
+
+def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = None, batch_size: int | None = None,
+             kv: str | None = None, log=print) -> dict:
+    from qbench.evals.subject import Subject
+    from qbench.evals.tasks import TASKS
+    from qbench.quant.quantize import versions
+    from qbench.quant.recipe import load_kv_scheme
+
+    suite = load_suite(suite_path)
+    base = read_baseline(baseline, suite) if baseline is not None else None
+    bs = batch_size or suite.batch_size
+    subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv))
+    out = Path(out)
+    header = {"suite": dict(suite.to_dict(), hash=suite.hash, path=suite.path), "subject": subject.describe(),
+              "baseline": None if baseline is None else str(baseline), "batch_size": bs}
+    _claim(out, header)
+    store = RunStore(out)
+    ctx = RunContext(store, None if baseline is None else RunStore(baseline), base, suite.seed, suite.path)
+    results = {}
+    t0 = time.perf_counter()
+    for name, cfg in suite.tasks.items():
+        log(f"{name} ...")
+        seed_everything(suite.seed)
+        results[name] = TASKS[name].run(subject, cfg, ctx)
+    record = dict(header, tasks=results, versions=versions(), seconds=time.perf_counter() - t0,
+                  machine={"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+                  finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    atomic_write_text(out / "results.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return record
+
+
+def _claim(out: Path, header: dict) -> None:
+    """Start a run folder, or resume one made by the same command; refuse one made by another."""
+    run = out / "run.json"
+    if run.is_file():
+        old = json.loads(run.read_text())
+        keep = ("suite", "subject", "baseline", "batch_size")
+        if {k: old.get(k) for k in keep} != {k: header.get(k) for k in keep}:
+            raise QBenchError(f"{out}: holds a run of another model, suite, baseline or batch size; choose another "
+                              f"--out or delete it")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise QBenchError(f"{out}: exists and is not a qbench eval run; choose another --out")
+    atomic_write_text(run, json.dumps(header, indent=2, sort_keys=True) + "\n")

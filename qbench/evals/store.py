@@ -1,0 +1,63 @@
+"""A run's folder: per-item records written as they complete, so an interrupted eval resumes.
+
+    RUN/results.json          the summary (written last, atomically)
+    RUN/items/TASK.jsonl      one JSON line per finished item; a torn last line is ignored
+    RUN/parts/TASK/KEY.safetensors   per-chunk tensors (written atomically)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class RunStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def jsonl(self, task: str) -> Path:
+        return self.root / "items" / f"{task}.jsonl"
+
+    def load_items(self, task: str) -> dict[str, dict]:
+        path = self.jsonl(task)
+        out = {}
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by an interrupt: that item is simply redone
+                out[rec["key"]] = rec
+        return out
+
+    def add_item(self, task: str, rec: dict) -> None:
+        path = self.jsonl(task)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def part(self, task: str, key: str) -> Path:
+        return self.root / "parts" / task / f"{key}.safetensors"
+
+    def load_part(self, task: str, key: str) -> dict[str, torch.Tensor] | None:
+        p = self.part(task, key)
+        return load_file(str(p)) if p.is_file() else None
+
+    def save_part(self, task: str, key: str, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
+        p = self.part(task, key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=p.parent)
+        os.close(fd)
+        try:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

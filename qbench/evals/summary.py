@@ -1,0 +1,29 @@
+"""A run's results as a few readable lines."""
+
+from __future__ import annotations
+
+
+def _pm(d: dict, key: str = "mean", se: str = "se", fmt: str = ".4f") -> str:
+    return f"{d[key]:{fmt}} ± {d[se]:{fmt}}"
+
+
+def render_summary(record: dict) -> str:
+    t = record["tasks"]
+    lines = [f"{record['subject']['model']}  suite={record['suite']['name']}  seed={record['suite']['seed']}  "
+             f"batch={record['batch_size']}" + (f"  baseline={record['baseline']}" if record["baseline"] else "")]
+    if "kld" in t:
+        k = t["kld"]
+        if k.get("score") is None:
+            lines.append(f"kld: baseline records stored ({k['chunks']} chunks, top-{k['top_k']}); "
+                         f"PPL {_pm(k['own'], 'ppl', 'ppl_se')}")
+        else:
+            lines.append(f"kld: mean {_pm(k['kld'])}  p99 {k['kld']['p99']:.4f}  max {k['kld']['max']:.4f}  "
+                         f"same top {100 * k['same_top_p']['mean']:.2f}%  RMS Δp {100 * k['delta_p']['rms']:.2f}%  "
+                         f"PPL ratio {_pm(k['ppl_ratio'], 'value')}")
+    if "perplexity" in t:
+        p = t["perplexity"]
+        r = p["lm_eval_rolling"]
+        lines.append(f"perplexity: llama.cpp {_pm(p['llama_cpp'], 'ppl', 'ppl_se', '.3f')} ({p['llama_cpp']['tokens']} "
+                     f"tokens); rolling word PPL {r['word_perplexity']:.3f}, byte PPL {r['byte_perplexity']:.4f}, "
+                     f"bits/byte {r['bits_per_byte']:.4f} ({r['documents']} documents)")
+    return "\n".join(lines)
