@@ -64,14 +64,17 @@ def compare_record(base: dict[str, torch.Tensor], own: dict[str, torch.Tensor], 
 
 
 def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str, base_store=None,
-                 desc: str = "chunks") -> list[dict[str, torch.Tensor]]:
-    """Score every window (resuming from stored parts) -> one record per chunk."""
+                 desc: str = "chunks", exact_chunks: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Score every window (resuming from stored parts) -> one record per chunk.
+
+    The first ``exact_chunks`` chunks also keep the full-vocabulary log-probs (fp16), so that a candidate
+    can report the exact KL there and, with it, the bias of the top-K estimate."""
     first = len(windows[0]) // 2
     records: list[dict | None] = []
     todo = []
     for i in range(len(windows)):
         rec = store.load_part(task, f"chunk_{i:05d}")
-        if rec is not None and (base_store is None or "kld" in rec):
+        if rec is not None and (base_store is None or "kld" in rec) and (i >= exact_chunks or "full_lp" in rec):
             records.append(rec)
         else:
             records.append(None)
@@ -83,6 +86,8 @@ def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str
             w = torch.tensor(windows[i])
             lq = lp[first: len(w) - 1]  # (N, V), N = ctx/2 - 1
             own = base_record(lq, w[first + 1:], top_k)
+            if i < exact_chunks:
+                own["full_lp"] = lq.half()
             if base_store is not None:
                 base = base_store.load_part(task, f"chunk_{i:05d}")
                 if base is None:
@@ -92,6 +97,9 @@ def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str
                     raise QBenchError(f"chunk {i}: the candidate's tokens differ from the baseline's; both must "
                                       f"use the same tokenizer and data")
                 own.update(compare_record(base, own, lq))
+                if "full_lp" in base:
+                    p = base["full_lp"].float()
+                    own["kld_full"] = (p.exp() * (p - lq)).sum(-1)
             store.save_part(task, f"chunk_{i:05d}", own)
             records[i] = own
             bar.update(1)

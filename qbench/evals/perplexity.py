@@ -28,7 +28,8 @@ class Config:
     chunks: int = 8  # 0: every chunk
     rolling_docs: int = 4  # articles for the lm-eval-style rolling perplexity; 0: all of them
     rolling_len: int = 2048
-    top_k: int = 32  # only to share the chunk records with a kld task over the same chunks
+    top_k: int = 256  # top_k and exact_chunks only let a kld task over the same chunks share the records
+    exact_chunks: int = 1
 
     def validate(self):
         if self.ctx < 4 or self.ctx % 2:
@@ -95,7 +96,8 @@ def run(subject, cfg: Config, ctx) -> dict:
     text = load_text(cfg.data, f"{ctx.suite_path}: tasks.perplexity.data")
     windows = chunk_windows(subject.encode(text), cfg.ctx, cfg.chunks)
     ns = namespace(cfg.data, cfg.ctx, cfg.top_k)
-    recs = score_chunks(subject, windows, cfg.top_k, ctx.store, ns, ctx.base_store, desc="perplexity")
+    recs = score_chunks(subject, windows, cfg.top_k, ctx.store, ns, ctx.base_store, desc="perplexity",
+                        exact_chunks=cfg.exact_chunks)
     nll = cat(recs, "nll")
     out = {"llama_cpp": dict(ppl_se(nll), chunks=len(windows), ctx=cfg.ctx)}
     docs = articles(text)

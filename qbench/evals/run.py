@@ -9,6 +9,7 @@ the same suite (same tasks, sizes and seed, compared by hash).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import time
@@ -64,6 +65,14 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     from qbench.quant.recipe import load_kv_scheme
 
     suite = load_suite(suite_path)
+    from qbench.evals.data import DataError, resolve
+    for name, cfg in suite.tasks.items():  # before anything is loaded or written
+        for field in ("data", "train_data", "haystack"):
+            spec = getattr(cfg, field, None)
+            if spec and resolve(spec) is None and (spec.endswith((".jsonl", ".json", ".txt", ".raw"))
+                                                   or os.environ.get("HF_HUB_OFFLINE") == "1"):
+                raise DataError(f"{suite.path}: tasks.{name}.{field}: data file {spec} not found; give a local "
+                                f"file (the shipped ones are under evals/data/)")
     base = read_baseline(baseline, suite) if baseline is not None else None
     bs = batch_size or suite.batch_size
     subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv))

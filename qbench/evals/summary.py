@@ -20,6 +20,10 @@ def render_summary(record: dict) -> str:
             lines.append(f"kld: mean {_pm(k['kld'])}  p99 {k['kld']['p99']:.4f}  max {k['kld']['max']:.4f}  "
                          f"same top {100 * k['same_top_p']['mean']:.2f}%  RMS Δp {100 * k['delta_p']['rms']:.2f}%  "
                          f"PPL ratio {_pm(k['ppl_ratio'], 'value')}")
+            if "top_k_check" in k:
+                c = k["top_k_check"]
+                lines.append(f"kld top-{k['top_k']} check on {c['tokens']} tokens: full-vocabulary {c['full_vocabulary_mean']:.4f}, "
+                             f"top-K {c['top_k_mean']:.4f} ({100 * c['relative_bias']:.1f}% low)")
     if "perplexity" in t:
         p = t["perplexity"]
         r = p["lm_eval_rolling"]
