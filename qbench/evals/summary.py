@@ -30,4 +30,15 @@ def render_summary(record: dict) -> str:
         lines.append(f"perplexity: llama.cpp {_pm(p['llama_cpp'], 'ppl', 'ppl_se', '.3f')} ({p['llama_cpp']['tokens']} "
                      f"tokens); rolling word PPL {r['word_perplexity']:.3f}, byte PPL {r['byte_perplexity']:.4f}, "
                      f"bits/byte {r['bits_per_byte']:.4f} ({r['documents']} documents)")
+    for name in ("gsm8k", "gsm8k_cot"):
+        if name in t:
+            g = t[name]
+            line = (f"{name}: strict {100 * g['strict']['accuracy']:.1f}% [{100 * g['strict']['ci95'][0]:.1f}, "
+                    f"{100 * g['strict']['ci95'][1]:.1f}]  flexible {100 * g['flexible']['accuracy']:.1f}% "
+                    f"({g['items']} items)")
+            vb = g.get("vs_baseline", {}).get("strict")
+            if vb:
+                line += (f"  vs baseline {100 * vb['diff_ci']['diff']:+.1f} pts, McNemar p={vb['mcnemar']['p_value']:.3f}"
+                         + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
+            lines.append(line)
     return "\n".join(lines)

@@ -1,7 +1,7 @@
-"""The eval registry: task name -> its module (a ``Config`` dataclass and ``run(subject, cfg, ctx)``)."""
+"""The eval registry: task name -> an object with a ``Config`` dataclass and ``run(subject, cfg, ctx)``."""
 
 from __future__ import annotations
 
-from qbench.evals import kld, perplexity
+from qbench.evals import gsm8k, kld, perplexity
 
-TASKS = {"kld": kld, "perplexity": perplexity}
+TASKS = {"kld": kld, "perplexity": perplexity, "gsm8k": gsm8k.TASK, "gsm8k_cot": gsm8k.COT_TASK}
