@@ -41,4 +41,14 @@ def render_summary(record: dict) -> str:
                 line += (f"  vs baseline {100 * vb['diff_ci']['diff']:+.1f} pts, McNemar p={vb['mcnemar']['p_value']:.3f}"
                          + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
             lines.append(line)
+    if "needle" in t:
+        n = t["needle"]
+        kinds = ", ".join(f"{k} {v['score']:.2f}" for k, v in n["kinds"].items())
+        by = ", ".join(f"{k}: {v:.2f}" for k, v in n["by_length"].items())
+        line = f"needle: {n['score']:.3f} overall ({n['items']} items); {kinds}; by length {by}"
+        vb = n.get("vs_baseline")
+        if vb:
+            line += (f"; vs baseline {vb['diff_ci']['diff']:+.3f}, McNemar p={vb['mcnemar']['p_value']:.3f}"
+                     + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
+        lines.append(line)
     return "\n".join(lines)
