@@ -71,3 +71,29 @@ def test_gsm8k_runs_paired_against_its_baseline(tmp_path, smollm2):
         recs = [json.loads(x) for x in (tmp_path / "b" / "items" / f"{task}.jsonl").read_text().splitlines()]
         assert {"prompt", "output", "strict", "flexible", "target"} <= set(recs[0])
         assert all(r["generated_tokens"] <= 48 for r in recs)
+
+
+def test_first_divergence():
+    from qbench.evals.custom import first_divergence
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_the_users_own_prompts_compared_with_the_baseline(tmp_path, smollm2):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to five."}\n{"id": "x", "prompt": "Say hi."}\n')
+    suite = tmp_path / "s.yaml"
+    suite.write_text(f"name: c\nseed: 1\nbatch_size: 3\ntasks:\n  custom: {{data: {prompts}, max_new_tokens: 12}}\n")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "qbench", "eval", SMOL, "--suite", str(suite), *a],  # noqa
+                                    capture_output=True, text=True, timeout=600, env=env)
+    assert run("--out", str(tmp_path / "a")).returncode == 0
+    p = run("--out", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"))
+    assert p.returncode == 0, p.stderr
+    c = json.loads((tmp_path / "b" / "results.json").read_text())["tasks"]["custom"]
+    assert c["exact_match"] == 1.0 and c["first_divergence"]["median"] == 12  # the fp model against itself
+    p = run("--out", str(tmp_path / "c"), "--baseline", str(tmp_path / "a"), "--kv", "k4v2")
+    c = json.loads((tmp_path / "c" / "results.json").read_text())["tasks"]["custom"]
+    assert 0 <= c["exact_match"] <= 1 and len(c["first_divergence"]["positions"]) == 3
+    assert (tmp_path / "c" / "custom_divergence.png").read_bytes()[:4] == b"\x89PNG"

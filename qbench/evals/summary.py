@@ -51,4 +51,11 @@ def render_summary(record: dict) -> str:
             line += (f"; vs baseline {vb['diff_ci']['diff']:+.3f}, McNemar p={vb['mcnemar']['p_value']:.3f}"
                      + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
         lines.append(line)
+    if "custom" in t:
+        c = t["custom"]
+        if "exact_match" in c:
+            lines.append(f"custom: {100 * c['exact_match']:.0f}% of {c['items']} outputs identical to the baseline; "
+                         f"median first divergence at token {c['first_divergence']['median']}")
+        else:
+            lines.append(f"custom: {c['items']} outputs recorded (compared when run against a baseline)")
     return "\n".join(lines)
