@@ -39,18 +39,12 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def histogram(path, positions: list[int], max_new_tokens: int) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5, 2.6))
+    from qbench.evals.plots import pyplot, save
+    fig, ax = pyplot().subplots(figsize=(5, 2.6))
     ax.hist(positions, bins=min(16, max_new_tokens), range=(0, max_new_tokens), color="#4c72b0")
     ax.set_xlabel("first divergent output token")
     ax.set_ylabel("prompts")
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(path)
+    save(fig, path)
 
 
 def run(subject, cfg: Config, ctx) -> dict:

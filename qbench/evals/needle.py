@@ -113,10 +113,8 @@ def string_match_all(output: str, expected: list[str]) -> float:
 
 
 def heatmap(path, kind: str, lengths, depths, grid) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1 + 0.5 * len(depths)))
+    from qbench.evals.plots import pyplot, save
+    fig, ax = pyplot().subplots(figsize=(1.2 + 0.9 * len(lengths), 1 + 0.5 * len(depths)))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(x) for x in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}%" for d in depths])
@@ -127,11 +125,7 @@ def heatmap(path, kind: str, lengths, depths, grid) -> None:
         for j in range(len(lengths)):
             ax.text(j, i, f"{grid[i][j]:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=ax, fraction=0.05)
-    fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    tmp.replace(path)
+    save(fig, path)
 
 
 def run(subject, cfg: Config, ctx) -> dict:

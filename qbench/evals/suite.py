@@ -17,9 +17,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-import yaml
-
 from qbench.errors import QBenchError
+from qbench.yamlfile import read_mapping
 
 
 class SuiteError(QBenchError):
@@ -79,13 +78,8 @@ def load_suite(spec: str) -> Suite:
     path = Path(spec)
     if not path.is_file():
         raise SuiteError(f"{spec}: no such suite file; give a YAML file such as evals/quick.yaml")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise SuiteError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    data = read_mapping(path, "suite", SuiteError)
     where = str(path)
-    if not isinstance(data, dict):
-        raise SuiteError(f"{where}: a suite is a YAML mapping")
     for key in data:
         if key not in ("name", "seed", "batch_size", "tasks"):
             raise SuiteError(f"{where}: unknown field {key} (allowed: name, seed, batch_size, tasks)")

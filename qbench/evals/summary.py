@@ -7,6 +7,14 @@ def _pm(d: dict, key: str = "mean", se: str = "se", fmt: str = ".4f") -> str:
     return f"{d[key]:{fmt}} ± {d[se]:{fmt}}"
 
 
+def _versus(vb: dict | None, scale: float, unit: str) -> str:
+    """The paired comparison with the baseline, marked when it is not significant."""
+    if not vb:
+        return ""
+    return (f"; vs baseline {scale * vb['diff_ci']['diff']:+.3g}{unit}, McNemar p={vb['mcnemar']['p_value']:.3f}"
+            + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
+
+
 def render_summary(record: dict) -> str:
     t = record["tasks"]
     lines = [f"{record['subject']['model']}  suite={record['suite']['name']}  seed={record['suite']['seed']}  "
@@ -36,21 +44,13 @@ def render_summary(record: dict) -> str:
             line = (f"{name}: strict {100 * g['strict']['accuracy']:.1f}% [{100 * g['strict']['ci95'][0]:.1f}, "
                     f"{100 * g['strict']['ci95'][1]:.1f}]  flexible {100 * g['flexible']['accuracy']:.1f}% "
                     f"({g['items']} items)")
-            vb = g.get("vs_baseline", {}).get("strict")
-            if vb:
-                line += (f"  vs baseline {100 * vb['diff_ci']['diff']:+.1f} pts, McNemar p={vb['mcnemar']['p_value']:.3f}"
-                         + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
-            lines.append(line)
+            lines.append(line + _versus(g.get("vs_baseline", {}).get("strict"), 100, " pts"))
     if "needle" in t:
         n = t["needle"]
         kinds = ", ".join(f"{k} {v['score']:.2f}" for k, v in n["kinds"].items())
         by = ", ".join(f"{k}: {v:.2f}" for k, v in n["by_length"].items())
         line = f"needle: {n['score']:.3f} overall ({n['items']} items); {kinds}; by length {by}"
-        vb = n.get("vs_baseline")
-        if vb:
-            line += (f"; vs baseline {vb['diff_ci']['diff']:+.3f}, McNemar p={vb['mcnemar']['p_value']:.3f}"
-                     + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
-        lines.append(line)
+        lines.append(line + _versus(n.get("vs_baseline"), 1, ""))
     if "custom" in t:
         c = t["custom"]
         if "exact_match" in c:

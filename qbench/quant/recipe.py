@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import yaml
-
 from qbench.errors import QBenchError
 from qbench.layers.kvquant import KVScheme
 from qbench.quant.primitives import GROUP_SIZES
+from qbench.yamlfile import read_mapping
 
 METHODS = ("rtn", "awq", "gptq")
 
@@ -166,10 +165,4 @@ def load_recipe(spec: str, recipes_dir: Path | None = None) -> Recipe:
         path = (recipes_dir or Path(__file__).resolve().parents[2] / "recipes") / f"{spec}.yaml"
     if not path.is_file():
         raise RecipeError(f"{spec}: no such recipe; give a YAML file or a name from recipes/")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe is a YAML mapping")
-    return recipe_from_dict(data, str(path))
+    return recipe_from_dict(read_mapping(path, "recipe", RecipeError), str(path))
