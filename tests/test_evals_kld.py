@@ -51,9 +51,14 @@ def test_top_k_kld_on_a_tiny_model_matches_the_full_vocabulary(tiny_models, tmp_
     run_quantize(str(folder), str(recipe), tmp_path / "q", log=lambda s: None)
     lq = load_artifact(tmp_path / "q")[0](ids, meta)[0].log_softmax(-1)
     full = (lp.exp() * (lp - lq)).sum(-1)
-    approx = kld_topk(base_record(lp, ids[0], 32), lq)
-    assert (approx <= full + 1e-6).all() and full.mean() > 1e-4
-    assert (full.mean() - approx.mean()) / full.mean() < 0.25, (full.mean(), approx.mean())
+    assert full.mean() > 1e-4
+    gaps = []
+    for k in (8, 32, 96, 128):
+        approx = kld_topk(base_record(lp, ids[0], k), lq)
+        assert (approx <= full + 1e-6).all()
+        gaps.append((full - approx).mean().item())
+    # a random tiny model spreads its mass, so the tail matters; the gap shrinks to 0 as K reaches the vocabulary
+    assert gaps == sorted(gaps, reverse=True) and gaps[-1] < 1e-5 and gaps[0] > 10 * max(gaps[-1], 1e-7)
 
 
 def test_kld_summary_matches_hand_computation():
