@@ -87,10 +87,7 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         seqs = make_sequences(prompts, params, self.config.max_positions)
-        if not self.fixed_capacity:
-            # size the pool for the largest wave of this call; it is reallocated only between calls
-            need = sorted((-(-self._budget(s) // self.block_size) * self.block_size for s in seqs), reverse=True)
-            self._ensure_pool(sum(need[: self.max_batch]))
+        self._size_pool([self._budget(s) for s in seqs])
         pending = list(seqs)
         while pending:
             wave = self._take_wave(pending)
@@ -101,9 +98,7 @@ class Engine:
         """Teacher-forced log-probs: each list in one prefill through the cache (quantized or not),
         -> log_softmax logits (T_i, V) at every position, float32."""
         seqs = make_sequences(token_lists, SamplingParams(max_new_tokens=1), self.config.max_positions)
-        if not self.fixed_capacity:
-            need = sorted((self.blocks_needed(len(s)) * self.block_size for s in seqs), reverse=True)
-            self._ensure_pool(sum(need[: self.max_batch]))
+        self._size_pool([len(s) for s in seqs])
         out = []
         for i in range(0, len(seqs), self.max_batch):
             wave = seqs[i: i + self.max_batch]
@@ -118,6 +113,12 @@ class Engine:
 
     def blocks_needed(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def _size_pool(self, budgets: list[int]) -> None:
+        """Size the pool for the largest wave of this call; it is reallocated only between calls."""
+        if not self.fixed_capacity:
+            need = sorted((self.blocks_needed(b) * self.block_size for b in budgets), reverse=True)
+            self._ensure_pool(sum(need[: self.max_batch]))
 
     def _take_wave(self, pending: list[Sequence]) -> list[Sequence]:
         wave, blocks = [], 0
