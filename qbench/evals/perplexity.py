@@ -52,7 +52,7 @@ def articles(text: str) -> list[str]:
 
 
 # lm-eval's wikitext detokenizer (from Megatron): undo the data set's tokenization spacing.
-_PLAIN = [("s '", "s'"), (" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" : ", ": "), (" ; ", "; "),
+_PLAIN = [(" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" : ", ": "), (" ; ", "; "),
           (" . ", ". "), (" ! ", "! "), (" ? ", "? "), (" , ", ", ")]
 _BRACKETS = [(r"\(\s*([^\)]*?)\s*\)", r"(\1)"), (r"\[\s*([^\]]*?)\s*\]", r"[\1]"), (r"{\s*([^}]*?)\s*}", r"{\1}"),
              (r"\"\s*([^\"]*?)\s*\"", r'"\1"'), (r"'\s*([^']*?)\s*'", r"'\1'")]
@@ -61,10 +61,9 @@ _MISC = [("= = = =", "===="), ("= = =", "==="), ("= =", "=="), (" \u00b0 ", "\u0
 
 
 def detokenize(s: str) -> str:
-    for a, b in _PLAIN[:1]:
-        s = s.replace(a, b)
+    s = s.replace("s '", "s'")  # possessives, before the quote-pair rule below
     s = re.sub(r"/' [0-9]/", r"/'[0-9]/", s)
-    for a, b in _PLAIN[1:]:
+    for a, b in _PLAIN:
         s = s.replace(a, b)
     for pat, rep in _BRACKETS:
         s = re.sub(pat, rep, s)
@@ -108,9 +107,8 @@ def run(subject, cfg: Config, ctx) -> dict:
         key = f"doc_{i:05d}"
         if key in done:
             continue
-        raw = doc
-        rec = {"key": key, "nll": rolling_sum(subject, detokenize(raw), cfg.rolling_len),
-               "words": len(re.split(r"\s+", raw)), "bytes": len(raw.encode("utf-8"))}
+        rec = {"key": key, "nll": rolling_sum(subject, detokenize(doc), cfg.rolling_len),
+               "words": len(re.split(r"\s+", doc)), "bytes": len(doc.encode("utf-8"))}
         ctx.store.add_item("perplexity", rec)
         done[key] = rec
     items = [done[f"doc_{i:05d}"] for i in range(len(docs))]

@@ -30,7 +30,6 @@ from qbench.paths import atomic_write_text
 class RunContext:
     store: RunStore
     base_store: RunStore | None
-    baseline: dict | None  # the baseline's results.json
     seed: int
     suite_path: str
 
@@ -57,6 +56,21 @@ def read_baseline(path: Path, suite: Suite) -> dict:
     return base
 
 
+def check_data_files(suite: Suite) -> None:
+    """Every task's local data file exists, checked before anything is loaded or written. A name that is
+    not a file path may be a hub data set, which only the task itself can try (when the hub is online)."""
+    from qbench.evals.data import DataError, resolve
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    for name, cfg in suite.tasks.items():
+        for field in ("data", "train_data", "haystack"):
+            spec = getattr(cfg, field, None)
+            if not spec or resolve(spec) is not None:
+                continue
+            if offline or spec.endswith((".jsonl", ".json", ".txt", ".raw")):
+                raise DataError(f"{suite.path}: tasks.{name}.{field}: data file {spec} not found; give a local "
+                                f"file (the shipped ones are under evals/data/)")
+
+
 def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = None, batch_size: int | None = None,
              kv: str | None = None, log=print) -> dict:
     from qbench.evals.subject import Subject
@@ -65,15 +79,9 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     from qbench.quant.recipe import load_kv_scheme
 
     suite = load_suite(suite_path)
-    from qbench.evals.data import DataError, resolve
-    for name, cfg in suite.tasks.items():  # before anything is loaded or written
-        for field in ("data", "train_data", "haystack"):
-            spec = getattr(cfg, field, None)
-            if spec and resolve(spec) is None and (spec.endswith((".jsonl", ".json", ".txt", ".raw"))
-                                                   or os.environ.get("HF_HUB_OFFLINE") == "1"):
-                raise DataError(f"{suite.path}: tasks.{name}.{field}: data file {spec} not found; give a local "
-                                f"file (the shipped ones are under evals/data/)")
-    base = read_baseline(baseline, suite) if baseline is not None else None
+    check_data_files(suite)
+    if baseline is not None:
+        read_baseline(baseline, suite)
     bs = batch_size or suite.batch_size
     subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv))
     out = Path(out)
@@ -81,7 +89,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
               "baseline": None if baseline is None else str(baseline), "batch_size": bs}
     _claim(out, header)
     store = RunStore(out)
-    ctx = RunContext(store, None if baseline is None else RunStore(baseline), base, suite.seed, suite.path)
+    ctx = RunContext(store, None if baseline is None else RunStore(baseline), suite.seed, suite.path)
     results = {}
     t0 = time.perf_counter()
     for name, cfg in suite.tasks.items():
