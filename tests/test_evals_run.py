@@ -93,13 +93,21 @@ def test_eval_runs_are_reproducible_resumable_and_batch_invariant(tmp_path, smol
     assert qbench("eval", SMOL, "--suite", s, "--out", str(b)).returncode == 0
     assert strip_timings(json.loads((b / "results.json").read_text())) == strip_timings(ra)
     # batch 1 against the suite's batch of 3: equal-length windows, so the same numbers up to float rounding
+    # (the same subject as its baseline: the run reports the comparison, identical or not)
     c = tmp_path / "c"
-    assert qbench("eval", SMOL, "--suite", s, "--out", str(c), "--batch-size", "1").returncode == 0
+    p = qbench("eval", SMOL, "--suite", s, "--out", str(c), "--batch-size", "1", "--baseline", str(a))
+    assert p.returncode == 0, p.stderr
     rc = json.loads((c / "results.json").read_text())
+    inv = rc["batch_invariance"]
+    assert inv["batch_sizes"] == [3, 1] and "batch invariance (batch 1 vs 3)" in p.stdout
     for task in ("kld", "perplexity"):
-        x, y = ra["tasks"][task]["score"] if task == "perplexity" else ra["tasks"][task]["own"]["ppl"], \
-            rc["tasks"][task]["score"] if task == "perplexity" else rc["tasks"][task]["own"]["ppl"]
-        assert x == pytest.approx(y, rel=1e-5)
+        x, y = inv["tasks"][task]["score"]
+        assert x == pytest.approx(y, rel=1e-5) and x == (ra["tasks"][task]["score"] if task == "perplexity"
+                                                         else ra["tasks"][task]["own"]["ppl"])
+    assert inv["chunks"]["compared"] == 3  # kld and perplexity share their chunks
+    assert inv["chunks"]["max_abs_difference"] < 1e-3
+    assert inv["identical"] == (inv["chunks"]["differing"] == 0 and inv["tasks"]["perplexity"]["items"]["differing"] == 0)
+    assert rc["tasks"]["kld"]["kld"]["max"] < 1e-4  # the model against itself at another batch size
     # a candidate against the baseline: the KV-quantized cache, scored on exactly the baseline's tokens
     d = tmp_path / "d"
     p = qbench("eval", SMOL, "--suite", s, "--out", str(d), "--baseline", str(a), "--kv", "kv4")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from qbench.errors import QBenchError
+from qbench.evals.invariance import compare_runs, same_subject
 from qbench.evals.store import RunStore
 from qbench.evals.suite import Suite, load_suite
 from qbench.paths import atomic_write_text
@@ -80,8 +81,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
 
     suite = load_suite(suite_path)
     check_data_files(suite)
-    if baseline is not None:
-        read_baseline(baseline, suite)
+    base = None if baseline is None else read_baseline(baseline, suite)
     bs = batch_size or suite.batch_size
     subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv))
     out = Path(out)
@@ -99,6 +99,8 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     record = dict(header, tasks=results, versions=versions(), seconds=time.perf_counter() - t0,
                   machine={"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if base is not None and same_subject(record, base):
+        record["batch_invariance"] = compare_runs(record, out, base, Path(baseline))
     atomic_write_text(out / "results.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
 

@@ -58,4 +58,7 @@ def render_summary(record: dict) -> str:
                          f"median first divergence at token {c['first_divergence']['median']}")
         else:
             lines.append(f"custom: {c['items']} outputs recorded (compared when run against a baseline)")
+    if "batch_invariance" in record:
+        from qbench.evals.invariance import render
+        lines.append(render(record["batch_invariance"]))
     return "\n".join(lines)
