@@ -131,11 +131,13 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
 @click.argument("model")
 @click.option("--recipe", required=True, help="A recipe name from recipes/ (e.g. w4g128) or a YAML file.")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The artifact folder to write.")
-def quantize(model, recipe, out_dir):
+@click.option("--calibration-samples", type=int, help="Override the recipe's number of calibration windows (AWQ, GPTQ).")
+def quantize(model, recipe, out_dir, calibration_samples):
     """Quantize MODEL with a recipe into a self-describing artifact folder."""
     from qbench.quant.quantize import run_quantize
 
-    m = run_quantize(model, recipe, Path(out_dir), log=lambda s: click.echo(s, err=True))
+    m = run_quantize(model, recipe, Path(out_dir), log=lambda s: click.echo(s, err=True),
+                     calibration_samples=calibration_samples)
     size = m["size"]
     click.echo(f"wrote {out_dir}: {size['artifact_tensor_bytes'] / 2**20:.1f} MiB of tensors, "
                f"{size['bits_per_weight']:.3f} bits per quantized weight")
@@ -169,6 +171,18 @@ def eval_cmd(model, suite, out_dir, baseline, batch_size, kv):
     from qbench.evals.summary import render_summary
     click.echo(render_summary(record))
     click.echo(f"wrote {Path(out_dir) / 'results.json'}", err=True)
+
+
+@cli.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="The report folder, e.g. artifacts/demo.")
+@click.option("--baseline", type=click.Path(), help="The fp run (default: the one run made without a baseline).")
+def compare(runs, out_dir, baseline):
+    """Side-by-side report of eval RUNS: report.md, report.html (self-contained) and summary.json."""
+    from qbench.report.compare import run_compare
+
+    out = run_compare([Path(r) for r in runs], Path(out_dir), None if baseline is None else Path(baseline))
+    click.echo(f"wrote {out / 'report.md'}, {out / 'report.html'} and {out / 'summary.json'}")
 
 
 def main(argv=None):

@@ -192,3 +192,11 @@ def test_manifest_that_does_not_match_the_tensors_is_refused(tiny_models, tmp_pa
     (out / "qbench.json").write_text(json.dumps(m))
     with pytest.raises(QBenchError, match="metadata does not match"):
         load_artifact(out)
+
+
+def test_calibration_samples_can_be_overridden_and_are_recorded(tmp_path, smollm2):
+    m = run_quantize(SMOL, "w4g128-gptq", tmp_path / "g", log=lambda s: None, calibration_samples=2)
+    assert m["recipe"]["calibration"]["samples"] == 2 and m["calibration"]["samples"] == 2
+    with pytest.raises(QBenchError, match="uses no calibration data"):
+        run_quantize(SMOL, "w8", tmp_path / "r", log=lambda s: None, calibration_samples=2)
+    assert not (tmp_path / "r").exists()

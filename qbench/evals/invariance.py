@@ -84,7 +84,7 @@ def compare_runs(rec: dict, out: Path, base: dict, base_dir: Path) -> dict:
     report = {"batch_sizes": [base.get("batch_size"), rec.get("batch_size")], "tasks": {}}
     for task, res in rec["tasks"].items():
         other = base.get("tasks", {}).get(task)
-        if other is None:
+        if other is None or task == "speed":  # wall-clock figures differ from run to run by nature
             continue
         t = {"score": [_own_score(task, other), _own_score(task, res)]}
         items = _items(a, b, task)

@@ -23,14 +23,28 @@ class Subject:
         self.folder: Path = self.gen.folder
         self.batch_size = batch_size
         self.kv_scheme = self.engine.kv_scheme
+        # where the KV scheme came from: the artifact's recipe, or one given for this run (--kv)
+        self.kv_source = None if self.kv_scheme is None else ("run" if kv_scheme is not None else "artifact")
 
     def describe(self) -> dict:
         from qbench.quant.quantize import source_sha256
-        m = self.gen.manifest
+        from qbench.layers.kvquant import kv_memory
+        m, model = self.gen.manifest, self.engine.model
+        weight_bytes, item = model.weight_bytes(), model.dtype.itemsize
+        if m is None:  # the fp model: every weight at the engine's dtype
+            params, linear_bits = weight_bytes // item, 8 * item
+        else:  # quantized linears plus the tensors kept in full precision (embeddings, norms)
+            size = m["size"]
+            params = size["quantized_weights"] + (weight_bytes - size["quantized_weight_bytes"]) // item
+            linear_bits = size["bits_per_weight"]
+        c = model.config
+        kv = kv_memory(self.kv_scheme, c.num_layers, c.num_kv_heads, c.head_dim, item)
         return {"model": self.spec, "folder": str(self.folder), "weights_sha256": source_sha256(self.folder),
                 "recipe": None if m is None else m["recipe"]["name"],
                 "kv": None if self.kv_scheme is None else self.kv_scheme.to_dict(),
-                "weight_bytes": self.engine.model.weight_bytes()}
+                "weight_bytes": weight_bytes, "params": params, "bits_per_weight": 8 * weight_bytes / params,
+                "quantized_linear_bits_per_weight": linear_bits, "kv_bytes_per_token": kv["bytes_per_token"],
+                "kv_scheme": kv["scheme"], "kv_source": self.kv_source}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]

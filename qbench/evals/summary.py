@@ -58,6 +58,12 @@ def render_summary(record: dict) -> str:
                          f"median first divergence at token {c['first_divergence']['median']}")
         else:
             lines.append(f"custom: {c['items']} outputs recorded (compared when run against a baseline)")
+    if "speed" in t:
+        sp = t["speed"]
+        per = ", ".join(f"batch {b}: {v['decode_tokens_per_s']:.1f} tok/s, {v['memory_bytes'] / 2**20:.0f} MiB"
+                        for b, v in sp["batches"].items())
+        lines.append(f"speed: decode after a {sp['prompt_tokens']}-token prompt: {per} (weights + KV); "
+                     f"KV {sp['kv_bytes_per_token']:,} B/token")
     if "batch_invariance" in record:
         from qbench.evals.invariance import render
         lines.append(render(record["batch_invariance"]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import platform
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,11 +33,18 @@ def source_sha256(folder: Path) -> str:
     return sha256_file(files[0]) if len(files) == 1 else ",".join(sha256_file(f) for f in files)
 
 
-def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print) -> dict:
+def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibration_samples: int | None = None) -> dict:
     from qbench.engine.api import load_tokenizer
     from qbench.models.registry import load_model
 
     recipe: Recipe = load_recipe(recipe_spec)
+    if calibration_samples is not None:  # fewer windows: faster, recorded in the manifest's recipe
+        if calibration_samples < 1:
+            raise QBenchError(f"--calibration-samples {calibration_samples}: must be a positive integer")
+        if not recipe.needs_calibration:
+            raise QBenchError(f"--calibration-samples: recipe {recipe.name} ({recipe.weights.method if recipe.weights else 'kv only'}) "
+                              f"uses no calibration data; drop the option")
+        recipe = dataclasses.replace(recipe, calibration=dataclasses.replace(recipe.calibration, samples=calibration_samples))
     folder = resolve_model(model_spec)
     if is_artifact(folder):
         raise QBenchError(f"{model_spec}: already a quantized artifact; quantize the fp source model instead")

@@ -1,0 +1,115 @@
+"""The report's four figures, each returned as PNG bytes (the HTML embeds them, the markdown links them)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from qbench.evals.plots import pyplot
+from qbench.report.collect import Variant
+
+COLORS = ["#222222", "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c"]
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=100)
+    pyplot().close(fig)
+    return buf.getvalue()
+
+
+def kld_cdf(variants: list[Variant]) -> bytes | None:
+    """Per-token KLD against the baseline, as an empirical CDF on a log axis (the tail is what hurts)."""
+    cands = [(i, v) for i, v in enumerate(variants) if v.kld_tokens is not None and v.kld_tokens.numel()]
+    if not cands:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
+    for i, v in cands:
+        x = np.sort(np.clip(v.kld_tokens.double().numpy(), 1e-6, None))
+        ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", color=COLORS[i % len(COLORS)],
+                label=f"{v.name} (mean {x.mean():.3g})")
+    ax.set_xscale("log")
+    ax.set_xlabel("per-token KL divergence from the baseline (nats, clipped at 1e-6)")
+    ax.set_ylabel("fraction of tokens ≤ x")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    return _png(fig)
+
+
+def needle_heatmaps(variants: list[Variant]) -> bytes | None:
+    """One length × depth heatmap per variant (kinds averaged), side by side on one colour scale."""
+    runs = [v for v in variants if "needle" in v.tasks]
+    if not runs:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(runs), figsize=(2.3 * len(runs) + 0.8, 2.8), squeeze=False, sharey=True)
+    im = None
+    for ax, v in zip(axes[0], runs):
+        n = v.tasks["needle"]
+        grid = np.mean([k["grid"] for k in n["kinds"].values()], axis=0)  # (depths, lengths)
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        ax.set_xticks(range(len(n["lengths"])), [str(x) for x in n["lengths"]], fontsize=7)
+        if ax is axes[0][0]:
+            ax.set_yticks(range(len(n["depths"])), [f"{d:g}%" for d in n["depths"]], fontsize=7)
+        for (r, c), val in np.ndenumerate(grid):
+            ax.text(c, r, f"{val:.2f}", ha="center", va="center", fontsize=6)
+        ax.set_title(f"{v.name}\n{n['score']:.2f}", fontsize=7)
+        ax.set_xlabel("context tokens", fontsize=7)
+    axes[0][0].set_ylabel("needle depth", fontsize=7)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="string_match_all")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def pareto(rows: list[dict], context: int) -> bytes | None:
+    """Mean KLD against memory (weights + the KV cache of one ``context``-token sequence); the frontier
+    joins the variants that no other variant beats on both."""
+    pts = [(r["weight_bytes"] + context * r["kv_bytes_per_token"], r["kld"]["mean"] if "kld" in r else 0.0, r)
+           for r in rows if r.get("weight_bytes") and r.get("kv_bytes_per_token") and ("kld" in r or r["baseline"])]
+    if len(pts) < 2:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
+    floor = min([y for _, y, _ in pts if y > 0] or [1e-4]) / 3
+    for i, (x, y, r) in enumerate(pts):
+        ax.scatter(x / 2**20, max(y, floor), color=COLORS[i % len(COLORS)], s=36, zorder=3)
+        ax.annotate(r["name"], (x / 2**20, max(y, floor)), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    front, best = [], float("inf")
+    for x, y, _ in sorted(pts, key=lambda p: (p[0], p[1])):
+        if y < best:
+            front.append((x / 2**20, max(y, floor)))
+            best = y
+    ax.plot(*zip(*front), color="#999999", lw=1, ls="--", zorder=2, label="Pareto frontier")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"memory: weights + KV cache of one {context:,}-token sequence (MiB)")
+    ax.set_ylabel("mean KLD vs baseline")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, title="the baseline sits at the floor", title_fontsize=7)
+    return _png(fig)
+
+
+def gsm8k_bars(rows: list[dict]) -> bytes | None:
+    """Strict and flexible accuracy with Wilson 95% intervals, per variant and format."""
+    fmts = [g for g in ("gsm8k", "gsm8k_cot") if any(g in r for r in rows)]
+    if not fmts:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6.4, 3.2))
+    names = [r["name"] for r in rows]
+    series = [(g, m) for g in fmts for m in ("strict", "flexible")]
+    width = 0.8 / len(series)
+    for j, (g, m) in enumerate(series):
+        acc = [100 * r[g][m]["accuracy"] if g in r else np.nan for r in rows]
+        lo = [100 * (r[g][m]["accuracy"] - r[g][m]["ci95"][0]) if g in r else 0 for r in rows]
+        hi = [100 * (r[g][m]["ci95"][1] - r[g][m]["accuracy"]) if g in r else 0 for r in rows]
+        xs = np.arange(len(rows)) + (j - (len(series) - 1) / 2) * width
+        # points, not bars: an accuracy of 0 must stay visible
+        ax.errorbar(xs, acc, yerr=[lo, hi], fmt="o", ms=5, capsize=3, label=f"{g} {m}", color=COLORS[(j + 1) % len(COLORS)])
+    ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(-3, 100)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    return _png(fig)

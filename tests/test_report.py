@@ -1,0 +1,160 @@
+"""qbench compare: the report is built from the run records, refuses mismatched runs, and is self-contained."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOL
+
+SUITE = """name: mini
+seed: 11
+batch_size: 4
+tasks:
+  kld: {data: evals/data/wikitext-2-raw/wiki.test.raw, ctx: 128, chunks: 4, top_k: 32, exact_chunks: 1}
+  needle: {lengths: [256, 512], depths: [0, 100], kinds: [niah_single_noise, niah_multikey], max_new_tokens: 16}
+  gsm8k_cot: {limit: 3, max_new_tokens: 24}
+  speed: {prompt_tokens: 64, new_tokens: 8, batch_sizes: [1, 2]}
+"""
+
+
+def qbench(*args):
+    return subprocess.run([sys.executable, "-m", "qbench", *args], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, smollm2):
+    d = tmp_path_factory.mktemp("runs")
+    suite = d / "mini.yaml"
+    suite.write_text(SUITE)
+    for name, extra in (("fp", []), ("kv4", ["--kv", "kv4", "--baseline", str(d / "fp")]),
+                        ("k4v2", ["--kv", "k4v2", "--baseline", str(d / "fp")])):
+        p = qbench("eval", SMOL, "--suite", str(suite), "--out", str(d / name), *extra)
+        assert p.returncode == 0, p.stderr
+    return d
+
+
+def test_the_report_holds_every_variants_numbers_from_the_records(runs, tmp_path):
+    out = tmp_path / "report"
+    p = qbench("compare", str(runs / "k4v2"), str(runs / "fp"), str(runs / "kv4"), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert sorted(x.name for x in out.iterdir()) == ["figures", "report.html", "report.md", "summary.json"]
+    s = json.loads((out / "summary.json").read_text())
+    names = [v["name"] for v in s["variants"]]
+    assert names == ["fp32", "fp32 + KV K4V2 G16 R16", "fp32 + KV K4V4 G16 R16"], names  # baseline first
+    base, k4v2, kv4 = s["variants"]
+    assert base["baseline"] and "kld" not in base and base["kv_bytes_per_token"] == 46080
+    assert kv4["kv_bytes_per_token"] == 7920 and k4v2["kv_bytes_per_token"] == 6480
+    assert base["bits_per_weight"] == pytest.approx(32.0) and base["weight_bytes"] == kv4["weight_bytes"]
+    for v, run in ((kv4, "kv4"), (k4v2, "k4v2")):
+        rec = json.loads((runs / run / "results.json").read_text())["tasks"]
+        assert v["kld"]["mean"] == rec["kld"]["kld"]["mean"] and v["needle"]["score"] == rec["needle"]["score"]
+        assert v["gsm8k_cot"]["strict"]["ci95"] == rec["gsm8k_cot"]["strict"]["ci95"]
+        assert v["speed"]["1"]["decode_tokens_per_s"] > 0 and set(v["speed"]) == {"1", "2"}
+        tests = {t["test"]: t for t in s["paired"][v["name"]]}
+        assert {"gsm8k_cot strict", "needle", "ln PPL ratio"} <= set(tests)
+        assert tests["needle"]["p_value"] == rec["needle"]["vs_baseline"]["mcnemar"]["p_value"]
+        assert all(t["significant"] == (t["p_value"] < 0.05) for t in tests.values())
+    assert kv4["kld"]["mean"] < k4v2["kld"]["mean"]  # 2-bit values cost more than 4-bit ones
+    md = (out / "report.md").read_text()
+    assert "not significant" in md and "## Paired significance" in md and "figures/kld_cdf.png" in md
+    html = (out / "report.html").read_text()
+    srcs = re.findall(r"src='([^']*)'", html)
+    assert len(srcs) == len(s["figures"]) == 4 and all(x.startswith("data:image/png;base64,") for x in srcs)
+    assert "http://" not in html and "https://" not in html  # nothing to fetch: one self-contained file
+    for f in s["figures"]:
+        assert (out / "figures" / f"{f}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runs_under_another_suite_or_seed_are_refused(runs, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(runs / "kv4", other)
+    rec = json.loads((other / "results.json").read_text())
+    rec["suite"]["seed"] = 12
+    (other / "results.json").write_text(json.dumps(rec))
+    out = tmp_path / "r"
+    p = qbench("compare", str(runs / "fp"), str(other), "--out", str(out))
+    assert p.returncode == 2 and "seed 12" in p.stderr and "re-run it with the baseline's suite" in p.stderr
+    assert len([ln for ln in p.stderr.splitlines() if ln.strip()]) == 1 and not out.exists()
+    p = qbench("compare", str(runs / "kv4"), str(runs / "k4v2"), "--out", str(out))
+    assert p.returncode == 2 and "made without a baseline" in p.stderr and not out.exists()
+    p = qbench("compare", str(runs / "fp"), str(tmp_path / "nope"), "--out", str(out))
+    assert p.returncode == 2 and "not a finished qbench eval run" in p.stderr
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    p = qbench("compare", str(runs / "fp"), "--out", str(tmp_path / "busy"))
+    assert p.returncode == 2 and "not a compare report" in p.stderr
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
+
+
+def test_a_report_is_rebuilt_in_place(runs, tmp_path):
+    out = tmp_path / "report"
+    assert qbench("compare", str(runs / "fp"), str(runs / "kv4"), "--out", str(out)).returncode == 0
+    assert qbench("compare", str(runs / "fp"), str(runs / "kv4"), "--out", str(out)).returncode == 0
+    assert len(json.loads((out / "summary.json").read_text())["variants"]) == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium for the browser check")
+def test_the_html_report_renders_in_headless_chromium(runs, tmp_path):
+    from PIL import Image
+    out = tmp_path / "report"
+    assert qbench("compare", str(runs / "fp"), str(runs / "kv4"), "--out", str(out)).returncode == 0
+    shot = tmp_path / "shot.png"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars"]
+    p = subprocess.run(["chromium", *flags, "--window-size=1280,2400", f"--screenshot={shot}",
+                        (out / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), p.stderr[-2000:]
+    img = Image.open(shot).convert("RGB")
+    colors = img.getcolors(maxcolors=1 << 20)
+    assert img.size == (1280, 2400) and len(colors) > 200  # tables and plots drawn, not a blank page
+    dom = subprocess.run(["chromium", *flags, "--dump-dom", (out / "report.html").as_uri()], capture_output=True,
+                         text=True, timeout=120).stdout
+    assert dom.count("<img") == 4 and "Paired significance" in dom
+
+
+def _variant(name, tasks, baseline=False, kv_source=None):
+    from qbench.report.collect import Variant
+    rec = {"suite": {"name": "s", "hash": "h", "seed": 1}, "batch_size": 4, "tasks": tasks,
+           "subject": {"model": "m", "recipe": None if baseline else name, "kv_scheme": "fp", "kv_source": kv_source,
+                       "weight_bytes": 100, "kv_bytes_per_token": 10, "bits_per_weight": 32.0,
+                       "quantized_linear_bits_per_weight": 32.0}}
+    return Variant(name, Path("/nowhere") / name, rec, is_baseline=baseline)
+
+
+def test_significance_is_read_from_the_paired_tests_not_from_overlapping_intervals():
+    from qbench.report.render import markdown, page
+    from qbench.report.summary import build
+    vb = lambda p, d: {"mcnemar": {"p_value": p}, "diff_ci": {"diff": d, "low": d - 0.1, "high": d + 0.1}}  # noqa
+    gsm = lambda p: {"items": 20, "strict": {"accuracy": 0.5, "ci95": [0.3, 0.7]},  # noqa
+                     "flexible": {"accuracy": 0.6, "ci95": [0.4, 0.8]}, "vs_baseline": {"strict": vb(p, -0.2),
+                                                                                          "flexible": vb(0.5, 0.0)}}
+    kld = {"own": {"ppl": 10.0, "ppl_se": 0.5}, "score": 0.1, "kld": {"mean": 0.1, "se": 0.01, "median": 0.05,
+           "p99": 1.0, "max": 3.0}, "same_top_p": {"mean": 0.9, "se": 0.01}, "delta_p": {"rms": 0.05, "rms_se": 0.001},
+           "ppl_ratio": {"value": 1.01, "se": 0.02}, "ln_ppl_ratio": {"value": 0.00995, "se": 0.0198}}
+    base = _variant("fp32", {"kld": {"own": {"ppl": 9.9, "ppl_se": 0.5}, "score": None}}, baseline=True)
+    a = _variant("a", {"gsm8k": gsm(0.01), "kld": kld})
+    s = build([base, a])
+    tests = {t["test"]: t for t in s["paired"]["a"]}
+    assert tests["gsm8k strict"]["significant"] and not tests["gsm8k flexible"]["significant"]
+    assert not tests["ln PPL ratio"]["significant"] and tests["ln PPL ratio"]["p_value"] == pytest.approx(0.615, abs=0.01)
+    assert s["variants"][1]["ppl_ratio"]["significant"] is False
+    md, html = markdown(s, {}), page(s, {})
+    assert "1.0100 ± 0.0200 (not significant)" in md and "| a | gsm8k strict | -0.200 |" in md
+    assert "<td class='sig'>significant</td>" in html and "<td class='ns'>not significant</td>" in html
+
+
+def test_a_variant_is_named_from_its_record():
+    from qbench.report.collect import label
+    rec = lambda recipe, kv, src: {"subject": {"recipe": recipe, "kv_scheme": kv, "kv_source": src}}  # noqa
+    assert label(rec(None, "fp", None)) == "fp32"
+    assert label(rec(None, "K4V4 G16 R16", "run")) == "fp32 + KV K4V4 G16 R16"
+    assert label(rec("w4g128-kv4", "K4V4 G16 R16", "artifact")) == "w4g128-kv4"  # the recipe already says it
