@@ -134,14 +134,15 @@ def test_lm_evals_gsm8k_equals_qbenchs_own_on_the_same_items(tmp_path, smollm2):
 
 def test_the_scores_agree_when_answers_are_right_and_wrong(tmp_path, smollm2, monkeypatch):
     """SmolLM2-135M solves almost no GSM8K item, so equal scores could be 0 == 0. Here the engine's
-    generations are replaced by canned answers (right for even items, wrong or malformed for odd
-    ones) in both pipelines, and lm-eval's strict and flexible scores must equal qbench's."""
+    generations are replaced by canned answers in both pipelines: right, right but "$"-formatted
+    (flexible only), no number, and wrong, a quarter each; lm-eval's scores must equal qbench's."""
     from qbench.engine.api import load_tokenizer
     from qbench.engine.engine import Engine
     from qbench.evals.data import load_jsonl
     rows = load_jsonl("evals/data/gsm8k/test.jsonl", "t", required=("question", "answer"))
     tok = load_tokenizer(smollm2)
     by_question = {r["question"]: (i, g.target_of(r)) for i, r in enumerate(rows)}
+    rank = {i: r for r, i in enumerate(g.select(len(rows), 12, 5))}  # the suite's seeded subset (seed 5)
 
     def canned(self, prompts, params):
         out = []
@@ -149,13 +150,13 @@ def test_the_scores_agree_when_answers_are_right_and_wrong(tmp_path, smollm2, mo
             question = tok.decode(ids).rsplit("Q: ", 1)[1].rsplit("\nA:", 1)[0]
             i, gold = by_question[question]
             text = [f" So it is {gold}. The answer is {gold}.", f" The answer is ${gold}.", " I do not know.",
-                    f" It is {int(gold.replace(',', '')) + 1}. The answer is {int(gold.replace(',', '')) + 1}."][i % 4]
+                    f" It is {int(gold.replace(',', '')) + 1}. The answer is {int(gold.replace(',', '')) + 1}."][rank[i] % 4]
             out.append(SimpleNamespace(text=text, output_ids=tok(text)["input_ids"], finish_reason="stop"))
         return out
 
     monkeypatch.setattr(Engine, "generate", canned)
     summary_ours, items = _ours(tmp_path, 12, 32)
-    assert 0 < summary_ours["strict"]["accuracy"] < summary_ours["flexible"]["accuracy"] < 1
+    assert (summary_ours["strict"]["accuracy"], summary_ours["flexible"]["accuracy"]) == (0.25, 0.5)
     summary, samples = _lm_eval_gsm8k(sorted(r["index"] for r in items), 32)
     _compare(items, samples, summary, summary_ours)
 

@@ -41,14 +41,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def read_baseline(path: Path, suite: Suite) -> dict:
+def read_record(path: Path, fix: str) -> dict:
+    """A finished run's results.json; ``fix`` says what to do when it is missing or broken."""
     res = Path(path) / "results.json"
     if not res.is_file():
-        raise QBenchError(f"{path}: not a finished qbench eval run (no results.json); run the baseline first")
+        raise QBenchError(f"{path}: not a finished qbench eval run (no results.json); {fix}")
     try:
-        base = json.loads(res.read_text())
+        return json.loads(res.read_text())
     except json.JSONDecodeError as e:
-        raise QBenchError(f"{res}: unreadable ({e}); re-run the baseline") from None
+        raise QBenchError(f"{res}: not valid JSON ({e}); {fix}") from None
+
+
+def read_baseline(path: Path, suite: Suite) -> dict:
+    base = read_record(path, "run the baseline first")
     b = base.get("suite", {})
     if b.get("hash") != suite.hash or b.get("seed") != suite.seed:
         raise QBenchError(f"{path}: the baseline was made under suite {b.get('name')!r} (hash {b.get('hash')}, seed "

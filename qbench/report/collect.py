@@ -6,7 +6,6 @@ candidate stored); a variant's name comes from its record (recipe and KV scheme)
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from qbench.errors import QBenchError
 from qbench.evals.chunks import namespace
+from qbench.evals.run import read_record
 from qbench.evals.store import RunStore
 
 
@@ -35,16 +35,10 @@ class Variant:
 
 
 def read_run(path: Path) -> dict:
-    res = Path(path) / "results.json"
-    if not res.is_file():
-        raise QBenchError(f"{path}: not a finished qbench eval run (no results.json); run `qbench eval` to the end")
-    try:
-        rec = json.loads(res.read_text())
-    except json.JSONDecodeError as e:
-        raise QBenchError(f"{res}: not valid JSON ({e}); re-run the eval") from None
+    rec = read_record(path, "run `qbench eval` into it to the end")
     for key in ("suite", "subject", "tasks"):
         if key not in rec:
-            raise QBenchError(f"{res}: no {key!r} field; this is not a qbench eval record")
+            raise QBenchError(f"{Path(path) / 'results.json'}: no {key!r} field; this is not a qbench eval record")
     return rec
 
 
