@@ -200,3 +200,20 @@ def test_calibration_samples_can_be_overridden_and_are_recorded(tmp_path, smollm
     with pytest.raises(QBenchError, match="uses no calibration data"):
         run_quantize(SMOL, "w8", tmp_path / "r", log=lambda s: None, calibration_samples=2)
     assert not (tmp_path / "r").exists()
+
+
+def test_the_same_quantization_twice_has_one_content_digest(tiny_models, tmp_path):
+    """safetensors writes its metadata map in hash order, so the files' bytes may differ; the digest
+    qbench records (the sorted header, then the data) must not."""
+    import hashlib
+    from qbench.quant.quantize import source_sha256, tensors_sha256
+    folder, _ = tiny_models["llama"]
+    for name in ("a", "b"):
+        run_quantize(str(folder), "w4g64", tmp_path / name, log=lambda s: None)
+    assert source_sha256(tmp_path / "a") == source_sha256(tmp_path / "b")
+    other = tmp_path / "c"
+    run_quantize(str(folder), "w8", other, log=lambda s: None)
+    assert source_sha256(other) != source_sha256(tmp_path / "a")
+    plain = tmp_path / "x.bin"
+    plain.write_bytes(b"qbench")
+    assert tensors_sha256(plain) == hashlib.sha256(b"qbench").hexdigest()

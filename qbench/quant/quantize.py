@@ -28,9 +28,26 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def tensors_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's content: its header with keys sorted, then its data. The writer
+    stores the metadata map in hash order, so two byte-different files of identical tensors and
+    metadata (the same quantization run twice) get one digest here; other files hash as they are."""
+    import hashlib
+    import json
+    import struct
+    if Path(path).suffix != ".safetensors":
+        return sha256_file(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        h.update(json.dumps(json.loads(f.read(n)), sort_keys=True).encode())
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def source_sha256(folder: Path) -> str:
-    files = weight_files(folder)
-    return sha256_file(files[0]) if len(files) == 1 else ",".join(sha256_file(f) for f in files)
+    return ",".join(tensors_sha256(f) for f in weight_files(folder))
 
 
 def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibration_samples: int | None = None) -> dict:
