@@ -110,11 +110,30 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
 @click.option("--qlinear", default="native", show_default=True,
               help="Low-bit kernels for the variants, comma list of native, aten, reference.")
 @click.option("--out", "out_path", type=click.Path(), help="Write the JSON report here.")
+@click.option("--workload", type=click.Choice(["gsm8k", "agent", "mixed"]),
+              help="Replay a request stream instead: gsm8k (prefix cache off/on), agent (20 steps, growing "
+                   "history), mixed (static vs continuous batching, block sizes 8/16/32).")
+@click.option("--suite", default="evals/full.yaml", show_default=True, help="--workload gsm8k: the suite to replay.")
+@click.option("--limit", default=8, show_default=True, type=int, help="--workload gsm8k: items to replay.")
 def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, kvs, qlinear,
-          out_path):
+          out_path, workload, suite, limit):
     """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
     from qbench.bench.runner import BenchConfig, run_bench
     from qbench.bench.table import render_table
+
+    if workload:
+        from qbench.bench.workloads import render_workload, run_workload
+        if len(kvs) > 1:
+            raise QBenchError("bench --workload runs one KV scheme; give --kv once")
+        gen = click.get_current_context().get_parameter_source("gen_len").name == "COMMANDLINE"
+        report = run_workload(workload, model, kv=kvs[0] if kvs else None, suite=suite, limit=limit,
+                              gen_len=gen_len if gen else None)
+        click.echo(render_workload(report))
+        if out_path:
+            from qbench.paths import atomic_write_text
+            atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
+            click.echo(f"wrote {out_path}", err=True)
+        return
 
     cfg = BenchConfig.parse(model=model, batch_sizes=batch_sizes, prompt_len=prompt_len, gen_len=gen_len,
                             backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype,

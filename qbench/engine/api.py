@@ -42,7 +42,7 @@ class Completion:
 
 class Generator:
     def __init__(self, model: str, backend: str = "qbench", dtype: str = "fp32", block_size: int = 16,
-                 max_batch: int = 16, kv_scheme=None):
+                 max_batch: int = 16, kv_scheme=None, prefix_cache: bool = True):
         if backend not in BACKENDS:
             raise QBenchError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if dtype not in DTYPES:
@@ -77,7 +77,7 @@ class Generator:
                 if kv_scheme is not None:
                     block_size = kv_scheme.group  # each block is one K group
                 self.backend = Engine(qmodel, block_size=block_size, max_batch=max_batch, detokenize=detok,
-                                      kv_scheme=kv_scheme)
+                                      kv_scheme=kv_scheme, prefix_cache=prefix_cache)
             elif kv_scheme is not None:
                 raise QBenchError("the nocache backend keeps no KV cache to quantize; drop --kv or the kv artifact")
             self.backend.eos_ids = self.eos_ids(qmodel.config.eos_token_ids)

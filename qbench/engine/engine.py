@@ -1,20 +1,23 @@
-"""The generation loop: static waves of sequences, prefill once, then decode one token each.
+"""The generation loop: each step runs what the scheduler picked, decodes then prefill chunks.
 
 The KV pool is sized when first needed and reused; within a call nothing is reallocated
-and the cache never grows by concatenation.
+and the cache never grows by concatenation. With ``prefix_cache`` the pool's free blocks also
+hold a radix-tree prefix cache that lives across calls, until the pool is resized.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from qbench.engine.block_manager import BlockManager
 from qbench.engine.kv_cache import KVPool, QuantKVPool, blocks_in_budget
+from qbench.engine.radix import RadixCache
 from qbench.engine.runner import ModelRunner
+from qbench.engine.scheduler import Scheduler, SchedulerConfig
 from qbench.engine.sampling import SamplingParams, sample_batch
 from qbench.engine.sequence import Sequence, make_sequences
 from qbench.engine.stopping import check_finished
@@ -28,12 +31,19 @@ class StepStats:
     prefill_tokens: list[int] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     decode_batch: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache instead of computed
+    preemptions: int = 0
+
+    @property
+    def computed_prefill_tokens(self) -> int:
+        return sum(self.prefill_tokens)
 
 
 class Engine:
     def __init__(self, model: CausalLM, block_size: int = 16, max_batch: int = 16,
                  kv_capacity_tokens: int | None = None, detokenize: Callable[[list[int]], str] | None = None,
-                 kv_scheme=None, kv_budget_bytes: int | None = None):
+                 kv_scheme=None, kv_budget_bytes: int | None = None, prefix_cache: bool = False,
+                 policy: str = "continuous", token_budget: int = 4096):
         if block_size < 1 or max_batch < 1:
             raise QBenchError(f"engine: block_size ({block_size}) and max_batch ({max_batch}) must be >= 1")
         if kv_scheme is not None and not kv_scheme.quantized:
@@ -54,6 +64,21 @@ class Engine:
         self.blocks: BlockManager | None = None
         self.runner: ModelRunner | None = None
         self.stats = StepStats()
+        self.step_log: list[dict] | None = None  # set to [] to record each step's requests
+        self.observer = None  # called as observer(scheduler, step) once each step is scheduled
+        self.cache: RadixCache | None = None
+        # A quantized cache with a residual window of one block quantizes each block once it is full,
+        # from its own tokens only, so full blocks are immutable and prefill chunks that end on block
+        # boundaries compute what one whole prefill computes. With a longer window, which blocks a
+        # prefill reads quantized depends on where the prefill ends: no chunks and no prefix cache.
+        exact_blocks = kv_scheme is None or kv_scheme.windows == 1
+        self.prefix_cache = prefix_cache and exact_blocks
+        self.prefix_cache_note = None if self.prefix_cache or not prefix_cache else (
+            f"prefix cache off: the KV scheme's residual window ({kv_scheme.residual} tokens) is longer than "
+            f"one block")
+        align = 1 if kv_scheme is None else block_size if exact_blocks else 0
+        self.sched_cfg = SchedulerConfig(max_seqs=max_batch, token_budget=max(token_budget, max_batch),
+                                         policy=policy, chunk_align=align)
         if kv_budget_bytes is not None:
             if kv_capacity_tokens is not None:
                 raise QBenchError("engine: give a KV capacity in tokens or a byte budget, not both")
@@ -72,27 +97,97 @@ class Engine:
         if self.pool is not None and self.pool.num_blocks >= num_blocks:
             return
         cfg = self.config
+        old = self.pool
+        if self.cache is not None:  # grow geometrically, with room for what the prefix cache holds
+            num_blocks = max(num_blocks + self.cache.cached_blocks, 2 * old.num_blocks)
         if self.kv_scheme is None:
             self.pool = KVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                                self.model.dtype)
         else:
             self.pool = QuantKVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                                     self.model.dtype, self.kv_scheme, self.max_batch)
-        self.blocks = BlockManager(num_blocks, self.block_size)
+        if self.cache is not None:
+            self.pool.adopt(old)
+            self.blocks.grow(num_blocks, self.pool.copy_block)
+        else:
+            self.blocks = BlockManager(num_blocks, self.block_size, self.pool.copy_block)
+            self.cache = RadixCache(self.blocks) if self.prefix_cache else None
         self.runner = ModelRunner(self.model, self.pool)
+
+    def reset_stats(self) -> None:
+        self.stats = StepStats()
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached prefix (timings that must not depend on earlier calls)."""
+        if self.cache is not None:
+            self.cache.clear()
 
     def _budget(self, seq: Sequence) -> int:
         """Tokens a sequence may occupy: prompt plus new tokens, capped by the context window."""
         return min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_positions)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 cache_salt: str = "") -> list[Sequence]:
         seqs = make_sequences(prompts, params, self.config.max_positions)
         self._size_pool([self._budget(s) for s in seqs])
-        pending = list(seqs)
-        while pending:
-            wave = self._take_wave(pending)
-            self._run_wave(wave)
+        for s in seqs:
+            s.cache_salt = cache_salt
+        self._run(seqs)
         return seqs
+
+    def generate_n(self, prompt: list[int], params: SamplingParams, n: int, cache_salt: str = "") -> list[Sequence]:
+        """``n`` samples of one prompt: the prompt is prefilled once and its blocks are shared by all
+        ``n`` sequences (a shared partial block is copied by its first writer). Sample i uses seed + i."""
+        if n < 1:
+            raise QBenchError(f"n={n}: ask for at least one sample")
+        if self.sched_cfg.policy != "continuous" or n > self.max_batch:
+            raise QBenchError(f"n={n} samples share one prompt under continuous batching with max_batch >= n "
+                              f"(policy {self.sched_cfg.policy}, max_batch {self.max_batch})")
+        parent = make_sequences([prompt], params, self.config.max_positions)[0]
+        parent.cache_salt = cache_salt
+        parent.forks = [Sequence(list(prompt), replace(params, seed=params.seed + i)) for i in range(1, n)]
+        self._size_pool([self._budget(parent)] * n)
+        self._run([parent])
+        return [parent] + parent.forks
+
+    def _run(self, seqs: list[Sequence]) -> None:
+        sched = Scheduler(self.sched_cfg, self.blocks, self.cache, budget_of=self._budget)
+        for s in seqs:
+            shared = len(s) // self.block_size  # whole prompt blocks, held once however many samples
+            if shared + (self.blocks.blocks_for(self._budget(s)) - shared) * (1 + len(s.forks)) > self.blocks.num_blocks:
+                raise QBenchError(f"a request needs {self._budget(s) * (1 + len(s.forks))} KV tokens but the pool "
+                                  f"holds {self.pool.capacity_tokens}; raise the KV capacity or lower max_new_tokens")
+            sched.add(s)
+        while not sched.done:
+            step = sched.schedule()
+            if self.step_log is not None:
+                self.step_log.append(step.describe())
+            if self.observer is not None:
+                self.observer(sched, step)
+            if step.decodes:
+                t0 = time.perf_counter()
+                logits = self.runner.decode(step.decodes)
+                self.stats.decode_s.append(time.perf_counter() - t0)
+                self.stats.decode_batch.append(len(step.decodes))
+                self._append(sched, step.decodes, logits)
+            if step.prefills:
+                seqs_p = [s for s, _ in step.prefills]
+                t0 = time.perf_counter()
+                logits = self.runner.prefill(seqs_p, lengths=[n for _, n in step.prefills])
+                self.stats.prefill_s.append(time.perf_counter() - t0)
+                self.stats.prefill_tokens.append(sum(n for _, n in step.prefills))
+                ready, rows = [], []
+                for i, s in enumerate(seqs_p):
+                    if sched.prefill_done(s):
+                        for child in s.forks:
+                            sched.fork(s, child, self.pool.copy_slot)
+                        ready += [s] + s.forks
+                        rows += [i] * (1 + len(s.forks))
+                        s.forks = []
+                if ready:
+                    self._append(sched, ready, logits[rows])
+        self.stats.preemptions += sched.preemptions
+        self.stats.cached_tokens += sched.cached_tokens
 
     def score(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced log-probs: each list in one prefill through the cache (quantized or not),
@@ -104,6 +199,8 @@ class Engine:
             wave = seqs[i: i + self.max_batch]
             for j, s in enumerate(wave):
                 s.kv_slot = j
+                if self.cache is not None:
+                    self.cache.evict(self.blocks.blocks_for(len(s)) - self.blocks.num_free)
                 self.blocks.reserve(s, len(s))
             logits = self.runner.prefill(wave, all_logits=True)  # (B, T, V)
             for j, s in enumerate(wave):
@@ -120,45 +217,14 @@ class Engine:
             need = sorted((self.blocks_needed(b) * self.block_size for b in budgets), reverse=True)
             self._ensure_pool(sum(need[: self.max_batch]))
 
-    def _take_wave(self, pending: list[Sequence]) -> list[Sequence]:
-        wave, blocks = [], 0
-        while pending and len(wave) < self.max_batch:
-            need = self.blocks.blocks_for(self._budget(pending[0]))
-            if blocks + need > self.blocks.num_free:
-                break
-            blocks += need
-            wave.append(pending.pop(0))
-        if not wave:
-            raise QBenchError(f"a request needs {self._budget(pending[0])} KV tokens but the pool holds "
-                              f"{self.pool.capacity_tokens}; raise the KV capacity or lower max_new_tokens")
-        return wave
-
-    def _run_wave(self, wave: list[Sequence]) -> None:
-        for i, s in enumerate(wave):
-            s.kv_slot = i
-            self.blocks.reserve(s, len(s))
-        t0 = time.perf_counter()
-        logits = self.runner.prefill(wave)
-        self.stats.prefill_s.append(time.perf_counter() - t0)
-        self.stats.prefill_tokens.append(sum(len(s) for s in wave))
-        running = self._append(wave, logits)
-        while running:
-            for s in running:
-                self.blocks.reserve(s, len(s))  # allocates only when crossing a block boundary
-            t0 = time.perf_counter()
-            logits = self.runner.decode(running)
-            self.stats.decode_s.append(time.perf_counter() - t0)
-            self.stats.decode_batch.append(len(running))
-            running = self._append(running, logits)
-
-    def _append(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+    def _append(self, sched: Scheduler, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        still = []
+        now = time.perf_counter()
         for s, tok in zip(seqs, tokens):
             s.output_ids.append(tok)
+            if s.t_first is None:
+                s.t_first = now
             check_finished(s, tok, self.eos_ids, self.config.max_positions, self.detokenize)
             if s.finished:
-                self.blocks.release(s)
-            else:
-                still.append(s)
-        return still
+                s.t_done = now
+                sched.finish(s)

@@ -45,6 +45,26 @@ class QuantKVPool:
         return sum(t.nbytes for t in self.store.values())
 
     @property
+    def block_nbytes(self) -> int:
+        return sum(t[:, 0].nbytes for k, t in self.store.items() if k not in ("rk", "rv"))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        for k, t in self.store.items():
+            if k not in ("rk", "rv"):
+                t[:, dst] = t[:, src]
+
+    def adopt(self, old: "QuantKVPool") -> None:
+        """Take over a smaller pool's blocks (same ids) and residual rings."""
+        for k, t in self.store.items():
+            src = old.store[k]
+            t[:, : src.shape[1]] = src
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """A forked sequence's residual ring starts as its parent's."""
+        for k in ("rk", "rv"):
+            self.store[k][:, dst] = self.store[k][:, src]
+
+    @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
@@ -79,6 +99,22 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.k[:, 0].nbytes + self.v[:, 0].nbytes
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def adopt(self, old: "KVPool") -> None:
+        """Take over a smaller pool's blocks, under the same ids."""
+        self.k[:, : old.num_blocks] = old.k
+        self.v[:, : old.num_blocks] = old.v
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        pass  # no residual ring in a full-precision pool
 
     @property
     def capacity_tokens(self) -> int:

@@ -20,15 +20,17 @@ class ModelRunner:
         width = max(len(s.block_table) for s in seqs)
         return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int64)
 
-    def prefill(self, seqs: list[Sequence], all_logits: bool = False) -> torch.Tensor:
-        """Run every uncached token of ``seqs`` in one pass -> logits (B, V) at each last token, or
-        (B, T, V) at every position with ``all_logits`` (rows right-padded to the longest chunk).
+    def prefill(self, seqs: list[Sequence], all_logits: bool = False, lengths: list[int] | None = None) -> torch.Tensor:
+        """Run the next ``lengths[i]`` uncached tokens of each sequence (default: all of them) in one pass
+        -> logits (B, V) at each chunk's last token, or (B, T, V) at every position with ``all_logits``.
 
         Rows are right-padded to the longest chunk; pad tokens are never written to the cache
         and every real token keeps its own absolute position.
         """
         bs = self.block_size
-        chunks = [s.token_ids[s.num_cached:] for s in seqs]
+        if lengths is None:
+            lengths = [len(s) - s.num_cached for s in seqs]
+        chunks = [s.token_ids[s.num_cached: s.num_cached + n] for s, n in zip(seqs, lengths)]
         T = max(len(c) for c in chunks)
         ids, pos, valid, slots = [], [], [], []
         for b, (s, c) in enumerate(zip(seqs, chunks)):
@@ -44,7 +46,7 @@ class ModelRunner:
             query_valid=torch.tensor([[t < len(c) for t in range(T)] for c in chunks]) if padded else None,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=self._tables(seqs),
-            context_lens=torch.tensor([len(s) for s in seqs], dtype=torch.int64),
+            context_lens=torch.tensor([s.num_cached + len(c) for s, c in zip(seqs, chunks)], dtype=torch.int64),
             block_size=bs,
             kv_slots=torch.tensor([s.kv_slot for s in seqs], dtype=torch.int64),
             new_tokens=torch.tensor([len(c) for c in chunks], dtype=torch.int64),
@@ -52,8 +54,8 @@ class ModelRunner:
         last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64)
         logits = self.model(torch.tensor(ids, dtype=torch.int64), meta, self.pool.layers,
                             logits_index=None if all_logits else last)
-        for s in seqs:
-            s.num_cached = len(s)
+        for s, c in zip(seqs, chunks):
+            s.num_cached += len(c)
         return logits
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

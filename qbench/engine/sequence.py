@@ -21,7 +21,14 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are already in the cache
-    kv_slot: int = 0  # its residual slot in a quantized KV cache, fixed for the wave
+    kv_slot: int = 0  # its residual slot in a quantized KV cache, held while it runs
+    prefilled: bool = False  # every token but the newest has its K/V in the cache
+    cache_salt: str = ""  # the tenant's prefix-cache namespace
+    cache_node: object = None  # the prefix-cache node this request pins
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    forks: list = field(default_factory=list)  # sequences that share this prompt (parallel sampling)
+    t_first: float | None = None  # perf_counter when its first token was sampled
+    t_done: float | None = None  # perf_counter when it finished
     finish_reason: str | None = None
     text: str = ""
     generator: torch.Generator = field(init=False)

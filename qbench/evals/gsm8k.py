@@ -20,6 +20,7 @@ import yaml
 from tqdm import tqdm
 
 from qbench.engine.sampling import SamplingParams
+from qbench.evals.subject import prefix_cache_use
 from qbench.evals.data import load_jsonl, resolve
 from qbench.evals.stats import mcnemar_exact, paired_bootstrap, wilson
 
@@ -123,6 +124,7 @@ def run(subject, cfg: Config, ctx) -> dict:
             continue
         shots = fixed if fixed is not None else random.Random(ctx.seed * 1_000_003 + i).sample(train, cfg.fewshot)
         todo.append((key, i, build_prompt(cfg, rows[i], shots)))
+    counters = subject.prefill_counters()
     t0, gen_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(chosen), initial=len(chosen) - len(todo), desc=task, unit="item", leave=False)
     for s in range(0, len(todo), subject.batch_size):
@@ -142,7 +144,8 @@ def run(subject, cfg: Config, ctx) -> dict:
     items = [done[f"item_{i:05d}"] for i in chosen]
     out = {"items": len(items), "format": task, "fewshot": cfg.fewshot,
            "throughput": {"seconds": dt, "items_per_s": len(todo) / dt if todo else None,
-                          "generated_tokens_per_s": gen_tokens / dt if todo else None}}
+                          "generated_tokens_per_s": gen_tokens / dt if todo else None,
+                          **prefix_cache_use(counters, subject.prefill_counters())}}
     for m in ("strict", "flexible"):
         k = sum(r[f"{m}_correct"] for r in items)
         lo, hi = wilson(k, len(items))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from qbench.engine.sampling import SamplingParams
+from qbench.evals.subject import prefix_cache_use
 from qbench.evals.data import load_text
 from qbench.evals.stats import mcnemar_exact, paired_bootstrap
 
@@ -67,8 +68,10 @@ def essay_sentences(text: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?]) ", text) if s]
 
 
-def build_item(kind: str, length: int, depth: float, rng: random.Random, essay: list[str], count, cfg: Config) -> dict:
-    """One prompt of about ``length`` tokens (measured with ``count``) and its expected values."""
+def build_item(kind: str, length: int, depth: float, rng: random.Random, essay: list[str], count, cfg: Config,
+               start: int | None = None) -> dict:
+    """One prompt of about ``length`` tokens (measured with ``count``) and its expected values. The
+    haystack begins at sentence ``start`` of the essay (default: drawn from ``rng``)."""
     keys = rng.sample(KEYS, 1 + (cfg.distractors if kind == "niah_multikey" else 0))
     key = keys[0]
     nvals = cfg.values if kind == "niah_multivalue" else 1
@@ -84,7 +87,7 @@ def build_item(kind: str, length: int, depth: float, rng: random.Random, essay: 
         unit = NOISE.strip().split(". ")
         src = [s if s.endswith(".") else s + "." for s in unit]
     else:
-        start = rng.randrange(len(essay))
+        start = rng.randrange(len(essay)) if start is None else start
         src = essay[start:] + essay[:start]
     used, i = 0, 0
     while True:
@@ -152,7 +155,11 @@ def run(subject, cfg: Config, ctx) -> dict:
         key = f"{k}-{n}-{d:g}-{s}"
         if key not in done:
             rng = random.Random(f"{ctx.seed}-{key}")
-            todo.append((key, k, n, d, build_item(k, n, d, rng, essay, count, cfg)))
+            # one haystack per (kind, sample), as RULER's essay haystack: prompts of every length and depth
+            # share the text before their first needle, and the engine's prefix cache computes it once
+            start = random.Random(f"{ctx.seed}-{k}-{s}").randrange(len(essay))
+            todo.append((key, k, n, d, build_item(k, n, d, rng, essay, count, cfg, start)))
+    counters = subject.prefill_counters()
     t0, prompt_tokens = time.perf_counter(), 0
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens)
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc="needle", unit="item", leave=False)
@@ -172,7 +179,8 @@ def run(subject, cfg: Config, ctx) -> dict:
     items = [done[f"{k}-{n}-{d:g}-{s}"] for k, n, d, s in cells]
     out = {"items": len(items), "lengths": list(cfg.lengths), "depths": list(cfg.depths), "kinds": {},
            "throughput": {"seconds": dt, "items_per_s": len(todo) / dt if todo else None,
-                          "prompt_tokens_per_s": prompt_tokens / dt if todo else None}}
+                          "prompt_tokens_per_s": prompt_tokens / dt if todo else None,
+                          **prefix_cache_use(counters, subject.prefill_counters())}}
     for kind in cfg.kinds:
         grid = [[sum(r["score"] for r in items if r["kind"] == kind and r["length"] == n and r["depth"] == d) / cfg.samples
                  for n in cfg.lengths] for d in cfg.depths]

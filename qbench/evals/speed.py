@@ -41,7 +41,8 @@ def run(subject, cfg: Config, ctx) -> dict:
     out = {"prompt_tokens": len(prompt), "new_tokens": cfg.new_tokens, "kv_bytes_per_token": kv["bytes_per_token"],
            "weight_bytes": engine.model.weight_bytes(), "batches": {}}
     for b in cfg.batch_sizes:
-        engine.stats.__init__()  # this batch's steps only
+        engine.reset_stats()  # this batch's steps only
+        engine.clear_prefix_cache()  # the prompt is prefilled b times, as the speed figures assume
         subject.generate([list(prompt) for _ in range(b)], params)
         st = engine.stats
         decode_s = sum(st.decode_s)

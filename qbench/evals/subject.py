@@ -26,6 +26,11 @@ class Subject:
         # where the KV scheme came from: the artifact's recipe, or one given for this run (--kv)
         self.kv_source = None if self.kv_scheme is None else ("run" if kv_scheme is not None else "artifact")
 
+    def prefill_counters(self) -> tuple[int, int]:
+        """(prompt tokens computed, prompt tokens served by the prefix cache) so far."""
+        st = self.engine.stats
+        return st.computed_prefill_tokens, st.cached_tokens
+
     def describe(self) -> dict:
         from qbench.quant.quantize import source_sha256
         from qbench.layers.kvquant import kv_memory
@@ -55,3 +60,10 @@ class Subject:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):
         return self.engine.generate(prompts, params)
+
+
+def prefix_cache_use(before: tuple[int, int], after: tuple[int, int]) -> dict:
+    """What the engine's prefix cache saved a task: prompt tokens computed and served from the cache."""
+    computed, cached = after[0] - before[0], after[1] - before[1]
+    return {"prefill_tokens_computed": computed, "prefill_tokens_from_cache": cached,
+            "prefill_saved_fraction": cached / (computed + cached) if computed + cached else None}
