@@ -181,12 +181,14 @@ def export(artifact, fmt, out_dir):
 @click.option("--baseline", type=click.Path(), help="A finished run of the fp baseline under the same suite.")
 @click.option("--batch-size", type=int, help="Override the suite's batch size.")
 @click.option("--kv", help="Run MODEL with this recipe's quantized KV cache (e.g. kv4).")
-def eval_cmd(model, suite, out_dir, baseline, batch_size, kv):
+@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
+              help="Reuse shared prompt prefixes (few-shot exemplars, haystacks); results are identical either way.")
+def eval_cmd(model, suite, out_dir, baseline, batch_size, kv, prefix_cache):
     """Score MODEL (an fp model or an artifact) on a suite, against a baseline run when given."""
     from qbench.evals.run import run_eval
 
     record = run_eval(model, suite, Path(out_dir), None if baseline is None else Path(baseline), batch_size, kv,
-                      log=lambda m: click.echo(m, err=True))
+                      log=lambda m: click.echo(m, err=True), prefix_cache=prefix_cache)
     from qbench.evals.summary import render_summary
     click.echo(render_summary(record))
     click.echo(f"wrote {Path(out_dir) / 'results.json'}", err=True)

@@ -149,3 +149,34 @@ def test_missing_or_malformed_data_is_named(tmp_path, smollm2):
         load_jsonl(str(bad), "suite.yaml: tasks.gsm8k.data")
     with pytest.raises(DataError, match=r"bad.jsonl:1: missing field 'target'"):
         load_jsonl(str(bad), "w", required=("target",))
+
+
+PREFIX_SUITE = """
+name: prefix
+seed: 3
+batch_size: 4
+tasks:
+  needle: {kinds: [niah_single_essay, niah_multikey], lengths: [256, 512], depths: [25, 100], max_new_tokens: 12}
+  gsm8k_cot: {limit: 3, max_new_tokens: 12}
+"""
+
+
+def test_evals_give_identical_records_with_and_without_the_prefix_cache(tmp_path, smollm2):
+    s = suite(tmp_path, PREFIX_SUITE)
+    off, on = tmp_path / "off", tmp_path / "on"
+    p = qbench("eval", SMOL, "--suite", s, "--out", str(off), "--no-prefix-cache")
+    assert p.returncode == 0, p.stderr
+    p = qbench("eval", SMOL, "--suite", s, "--out", str(on), "--baseline", str(off))
+    assert p.returncode == 0, p.stderr
+    r_off, r_on = (json.loads((d / "results.json").read_text()) for d in (off, on))
+    assert r_off["prefix_cache"] is False and r_on["prefix_cache"] is True
+    inv = r_on["batch_invariance"]
+    assert inv["identical"] and inv["prefix_cache"] == [False, True]
+    assert "prefix cache on vs batch 4, prefix cache off): identical" in p.stdout
+    for task in ("needle", "gsm8k_cot"):
+        a, b = r_off["tasks"][task]["throughput"], r_on["tasks"][task]["throughput"]
+        assert a["prefill_tokens_from_cache"] == 0
+        # the 8-shot exemplars and the haystack before the first needle were computed once
+        assert b["prefill_tokens_from_cache"] > 0.1 * a["prefill_tokens_computed"]
+        assert b["prefill_tokens_computed"] + b["prefill_tokens_from_cache"] == a["prefill_tokens_computed"]
+    assert r_on["tasks"]["gsm8k_cot"]["throughput"]["prefill_saved_fraction"] > 0.5

@@ -1,6 +1,7 @@
-"""Batch invariance: the same model and KV cache run at two batch sizes, record by record.
+"""Batch invariance: the same model and KV cache run at two batch sizes (or with the prefix cache on and
+off), record by record.
 
-When a run's baseline is the same subject (same weights sha256, same KV scheme) at another batch size,
+When a run's baseline is the same subject (same weights sha256, same KV scheme) at another setting,
 the run reports whether every per-item record and every stored tensor came out identical, and where
 not, how far apart they are: the item keys that differ, the largest difference of any number in them,
 the largest log-prob difference in the stored chunks, and each task's score at both batch sizes.
@@ -81,7 +82,8 @@ def _own_score(task: str, res: dict):
 
 def compare_runs(rec: dict, out: Path, base: dict, base_dir: Path) -> dict:
     a, b = RunStore(base_dir), RunStore(out)
-    report = {"batch_sizes": [base.get("batch_size"), rec.get("batch_size")], "tasks": {}}
+    report = {"batch_sizes": [base.get("batch_size"), rec.get("batch_size")],
+              "prefix_cache": [base.get("prefix_cache"), rec.get("prefix_cache")], "tasks": {}}
     for task, res in rec["tasks"].items():
         other = base.get("tasks", {}).get(task)
         if other is None or task == "speed":  # wall-clock figures differ from run to run by nature
@@ -100,9 +102,14 @@ def compare_runs(rec: dict, out: Path, base: dict, base_dir: Path) -> dict:
 
 
 def render(inv: dict) -> str:
-    b0, b1 = inv["batch_sizes"]
+    (b0, b1), (c0, c1) = inv["batch_sizes"], inv.get("prefix_cache", [None, None])
+    if c0 == c1 or None in (c0, c1):
+        head = f"batch invariance (batch {b1} vs {b0})"
+    else:
+        on = {True: "on", False: "off"}
+        head = f"batch invariance (batch {b1}, prefix cache {on[c1]} vs batch {b0}, prefix cache {on[c0]})"
     if inv["identical"]:
-        return f"batch invariance (batch {b1} vs {b0}): identical records, tensors and scores"
+        return f"{head}: identical records, tensors and scores"
     parts = []
     for task, t in inv["tasks"].items():
         bits = []
@@ -118,4 +125,4 @@ def render(inv: dict) -> str:
     if inv.get("chunks", {}).get("differing"):
         c = inv["chunks"]
         parts.append(f"chunks: {c['differing']}/{c['compared']} differ, max |Δ log-prob| {c['max_abs_difference']:.2g}")
-    return f"batch invariance (batch {b1} vs {b0}): differs; " + "; ".join(parts)
+    return f"{head}: differs; " + "; ".join(parts)

@@ -78,7 +78,7 @@ def check_data_files(suite: Suite) -> None:
 
 
 def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = None, batch_size: int | None = None,
-             kv: str | None = None, log=print) -> dict:
+             kv: str | None = None, log=print, prefix_cache: bool = True) -> dict:
     from qbench.evals.subject import Subject
     from qbench.evals.tasks import TASKS
     from qbench.quant.quantize import versions
@@ -88,10 +88,11 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     check_data_files(suite)
     base = None if baseline is None else read_baseline(baseline, suite)
     bs = batch_size or suite.batch_size
-    subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv))
+    subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv), prefix_cache=prefix_cache)
     out = Path(out)
     header = {"suite": dict(suite.to_dict(), hash=suite.hash, path=suite.path), "subject": subject.describe(),
-              "baseline": None if baseline is None else str(baseline), "batch_size": bs}
+              "baseline": None if baseline is None else str(baseline), "batch_size": bs,
+              "prefix_cache": subject.engine.prefix_cache}
     _claim(out, header)
     store = RunStore(out)
     ctx = RunContext(store, None if baseline is None else RunStore(baseline), suite.seed, suite.path)
@@ -115,9 +116,10 @@ def _claim(out: Path, header: dict) -> None:
     run = out / "run.json"
     if run.is_file():
         old = json.loads(run.read_text())
-        keep = ("suite", "subject", "baseline", "batch_size")
+        keep = ("suite", "subject", "baseline", "batch_size", "prefix_cache")
         if {k: old.get(k) for k in keep} != {k: header.get(k) for k in keep}:
-            raise QBenchError(f"{out}: holds a run of another model, suite, baseline or batch size; choose another "
+            raise QBenchError(f"{out}: holds a run of another model, suite, baseline, batch size or prefix-cache "
+                              f"setting; choose another "
                               f"--out or delete it")
         return
     if out.exists() and any(out.iterdir()):

@@ -15,9 +15,10 @@ from qbench.engine.sampling import SamplingParams
 
 
 class Subject:
-    def __init__(self, model: str, batch_size: int, kv_scheme=None):
+    def __init__(self, model: str, batch_size: int, kv_scheme=None, prefix_cache: bool = True):
         self.spec = model
-        self.gen = Generator(model, backend="qbench", max_batch=batch_size, kv_scheme=kv_scheme)
+        self.gen = Generator(model, backend="qbench", max_batch=batch_size, kv_scheme=kv_scheme,
+                             prefix_cache=prefix_cache)
         self.engine = self.gen.backend
         self.tokenizer = self.gen.tokenizer
         self.folder: Path = self.gen.folder

@@ -1,0 +1,1 @@
+"""Scale-out on torch.distributed (gloo on CPU, launched by torchrun)."""
