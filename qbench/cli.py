@@ -71,8 +71,11 @@ def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
 @click.option("--batch-size", default=16, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of text.")
 @click.option("--kv", "kv", help="Quantize the KV cache with this recipe's kv section (e.g. kv8, kv4, k4v2).")
+@click.option("--tp", "tp", type=click.Choice(["backend", "ring"]),
+              help="Tensor parallel over the processes torchrun starts, all-reducing with gloo's own "
+                   "all-reduce (backend) or qbench's ring; rank 0 prints.")
 def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top_k, top_p, seed, stop, backend,
-             dtype, batch_size, as_json, kv):
+             dtype, batch_size, as_json, kv, tp):
     """Generate text from MODEL (a zoo name, a local folder or a hub id)."""
     from qbench.engine.api import Generator
     from qbench.engine.sampling import SamplingParams
@@ -82,8 +85,10 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
                              stop=tuple(stop), seed=seed + i) for i in range(len(rows))]
     from qbench.quant.recipe import load_kv_scheme
     gen = Generator(model, backend=backend, dtype=dtype, max_batch=batch_size,
-                    kv_scheme=None if kv is None else load_kv_scheme(kv))
+                    kv_scheme=None if kv is None else load_kv_scheme(kv), tp=tp)
     results = gen.generate([r["prompt"] for r in rows], params, chat=chat)
+    if gen.tp_rank:
+        return
     for row, c in zip(rows, results):
         if as_json:
             click.echo(json.dumps({"id": row.get("id"), "prompt": c.prompt, "text": c.text, "tokens": c.token_ids,
@@ -115,11 +120,25 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
                    "history), mixed (static vs continuous batching, block sizes 8/16/32).")
 @click.option("--suite", default="evals/full.yaml", show_default=True, help="--workload gsm8k: the suite to replay.")
 @click.option("--limit", default=8, show_default=True, type=int, help="--workload gsm8k: items to replay.")
+@click.option("--tp", "tp", type=click.Choice(["backend", "ring"]),
+              help="Under torchrun: the tensor-parallel engine per rank and the ring all-reduce against gloo's.")
 def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, kvs, qlinear,
-          out_path, workload, suite, limit):
+          out_path, workload, suite, limit, tp):
     """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
     from qbench.bench.runner import BenchConfig, run_bench
     from qbench.bench.table import render_table
+
+    if tp:
+        from qbench.bench.scaleout import render_tp, run_tp_bench
+        report = run_tp_bench(model, tp, prompt_len, gen_len)
+        if report is None:
+            return  # not rank 0
+        click.echo(render_tp(report))
+        if out_path:
+            from qbench.paths import atomic_write_text
+            atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
+            click.echo(f"wrote {out_path}", err=True)
+        return
 
     if workload:
         from qbench.bench.workloads import render_workload, run_workload
@@ -183,12 +202,19 @@ def export(artifact, fmt, out_dir):
 @click.option("--kv", help="Run MODEL with this recipe's quantized KV cache (e.g. kv4).")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Reuse shared prompt prefixes (few-shot exemplars, haystacks); results are identical either way.")
-def eval_cmd(model, suite, out_dir, baseline, batch_size, kv, prefix_cache):
+@click.option("--distributed", is_flag=True,
+              help="Data parallel over the processes torchrun starts (automatic under torchrun).")
+def eval_cmd(model, suite, out_dir, baseline, batch_size, kv, prefix_cache, distributed):
     """Score MODEL (an fp model or an artifact) on a suite, against a baseline run when given."""
+    import os
+    if int(os.environ.get("RANK", "0")) > 0:
+        os.environ["TQDM_DISABLE"] = "1"  # one progress display: rank 0's
     from qbench.evals.run import run_eval
 
     record = run_eval(model, suite, Path(out_dir), None if baseline is None else Path(baseline), batch_size, kv,
-                      log=lambda m: click.echo(m, err=True), prefix_cache=prefix_cache)
+                      log=lambda m: click.echo(m, err=True), prefix_cache=prefix_cache, distributed=distributed)
+    if int(os.environ.get("RANK", "0")) > 0:
+        return
     from qbench.evals.summary import render_summary
     click.echo(render_summary(record))
     click.echo(f"wrote {Path(out_dir) / 'results.json'}", err=True)

@@ -59,3 +59,34 @@ def expected_traffic(numel: int, itemsize: int, p: int) -> dict:
     chunk = -(-numel // p)  # tensor_split gives the first chunks one element more when p does not divide
     return {"steps": 2 * (p - 1), "bytes_sent_ideal": 2 * (p - 1) / p * numel * itemsize,
             "bytes_sent_max": 2 * (p - 1) * chunk * itemsize}
+
+
+class Collective:
+    """The collectives a tensor-parallel model needs, over the backend's own all-reduce or the ring above."""
+
+    KINDS = ("backend", "ring")
+
+    def __init__(self, kind: str = "backend", group=None):
+        if kind not in self.KINDS:
+            raise ValueError(f"all-reduce {kind!r}: choose one of {', '.join(self.KINDS)}")
+        self.kind, self.group = kind, group
+        self.world = dist.get_world_size(group)
+        self.stats = RingStats()  # ring traffic (the backend's is not observable from here)
+        self.all_reduces = 0
+        self.all_reduce_bytes = 0  # buffer bytes handed to all-reduce
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.all_reduces += 1
+        self.all_reduce_bytes += t.nbytes
+        if self.kind == "ring":
+            return ring_all_reduce(t, self.stats, self.group)
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather_last(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Each rank's (..., sizes[rank]) -> (..., sum(sizes)) on every rank, in rank order."""
+        width = max(sizes)
+        pad = torch.nn.functional.pad(t, (0, width - t.shape[-1])).contiguous()
+        parts = [torch.empty_like(pad) for _ in sizes]
+        dist.all_gather(parts, pad, group=self.group)
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)

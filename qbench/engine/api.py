@@ -42,7 +42,7 @@ class Completion:
 
 class Generator:
     def __init__(self, model: str, backend: str = "qbench", dtype: str = "fp32", block_size: int = 16,
-                 max_batch: int = 16, kv_scheme=None, prefix_cache: bool = True):
+                 max_batch: int = 16, kv_scheme=None, prefix_cache: bool = True, tp: str | None = None):
         if backend not in BACKENDS:
             raise QBenchError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if dtype not in DTYPES:
@@ -52,8 +52,21 @@ class Generator:
         torch_dtype = DTYPES[dtype]
         self.max_batch = max_batch
         self.manifest = None
+        self.tp_rank = 0
         qmodel = None
-        if backend != "hf":
+        if tp is not None:
+            if backend != "qbench":
+                raise QBenchError("tensor parallelism runs on qbench's engine; drop --backend")
+            from qbench.dist.comm import Dist
+            from qbench.dist.ring import Collective
+            from qbench.engine.tp import load_tp_model
+            d = Dist.from_env(required=True)
+            self.tp_rank = d.rank
+            qmodel, self.manifest, self.shard = load_tp_model(self.folder, torch_dtype, Collective(tp),
+                                                              is_artifact(self.folder))
+            if kv_scheme is None and self.manifest is not None:
+                kv_scheme = artifact_kv_scheme(self.manifest, str(self.folder))
+        elif backend != "hf":
             if is_artifact(self.folder):
                 qmodel, self.manifest = load_artifact(self.folder, torch_dtype)
                 if kv_scheme is None:

@@ -80,26 +80,31 @@ def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str
             records.append(None)
             todo.append(i)
     bar = tqdm(total=len(windows), initial=len(windows) - len(todo), desc=desc, unit="chunk", leave=False)
-    for s in range(0, len(todo), subject.batch_size):
-        idx = todo[s: s + subject.batch_size]
-        for i, lp in zip(idx, subject.logprobs([windows[i] for i in idx])):
-            w = torch.tensor(windows[i])
-            lq = lp[first: len(w) - 1]  # (N, V), N = ctx/2 - 1
-            own = base_record(lq, w[first + 1:], top_k)
-            if i < exact_chunks:
-                own["full_lp"] = lq.half()
-            if base_store is not None:
-                base = base_store.load_part(task, f"chunk_{i:05d}")
-                if base is None:
-                    raise QBenchError(f"the baseline run has no {task} record for chunk {i}; re-run the baseline "
-                                      f"to completion")
-                if not torch.equal(base["targets"], own["targets"]):
-                    raise QBenchError(f"chunk {i}: the candidate's tokens differ from the baseline's; both must "
-                                      f"use the same tokenizer and data")
-                own.update(compare_record(base, own, lq))
-                if "full_lp" in base:
-                    p = base["full_lp"].float()
-                    own["kld_full"] = (p.exp() * (p - lq)).sum(-1)
+
+    def record(i: int, lp: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = torch.tensor(windows[i])
+        lq = lp[first: len(w) - 1]  # (N, V), N = ctx/2 - 1
+        own = base_record(lq, w[first + 1:], top_k)
+        if i < exact_chunks:
+            own["full_lp"] = lq.half()
+        if base_store is not None:
+            base = base_store.load_part(task, f"chunk_{i:05d}")
+            if base is None:
+                raise QBenchError(f"the baseline run has no {task} record for chunk {i}; re-run the baseline "
+                                  f"to completion")
+            if not torch.equal(base["targets"], own["targets"]):
+                raise QBenchError(f"chunk {i}: the candidate's tokens differ from the baseline's; both must "
+                                  f"use the same tokenizer and data")
+            own.update(compare_record(base, own, lq))
+            if "full_lp" in base:
+                p = base["full_lp"].float()
+                own["kld_full"] = (p.exp() * (p - lq)).sum(-1)
+        return own
+
+    step = subject.batch_size * subject.dist.world  # one batch per rank, saved before the next
+    for s in range(0, len(todo), step):
+        idx = todo[s: s + step]
+        for i, own in zip(idx, subject.map_logprobs([windows[i] for i in idx], lambda j, lp: record(idx[j], lp))):
             store.save_part(task, f"chunk_{i:05d}", own)
             records[i] = own
             bar.update(1)

@@ -81,5 +81,6 @@ def run(subject, cfg: Config, ctx) -> dict:
                                        "note": "identical outputs count as max_new_tokens"}
             out["exact_match_ci"] = paired_bootstrap([1.0] * len(same), [float(x) for x in same], ctx.seed)
             out["score"] = out["exact_match"]
-            histogram(ctx.store.root / "custom_divergence.png", pos, cfg.max_new_tokens)
+            if ctx.store.write:
+                histogram(ctx.store.root / "custom_divergence.png", pos, cfg.max_new_tokens)
     return out

@@ -188,7 +188,8 @@ def run(subject, cfg: Config, ctx) -> dict:
         out["kinds"][kind] = {"score": sum(r["score"] for r in mine) / len(mine), "grid": grid,
                               "by_length": {str(n): sum(r["score"] for r in mine if r["length"] == n) /
                                             sum(1 for r in mine if r["length"] == n) for n in cfg.lengths}}
-        heatmap(ctx.store.root / f"needle_{kind}.png", kind, cfg.lengths, cfg.depths, grid)
+        if ctx.store.write:  # rank 0 of a data-parallel run
+            heatmap(ctx.store.root / f"needle_{kind}.png", kind, cfg.lengths, cfg.depths, grid)
     out["score"] = sum(r["score"] for r in items) / len(items)
     out["by_length"] = {str(n): sum(r["score"] for r in items if r["length"] == n) /
                         sum(1 for r in items if r["length"] == n) for n in cfg.lengths}

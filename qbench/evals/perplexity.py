@@ -142,8 +142,10 @@ def rolling_sum(subject, text: str, max_len: int) -> float:
     for inp, k in wins:
         spans.append(torch.tensor(toks[done: done + k]))
         done += k
-    for s in range(0, len(wins), subject.batch_size):
-        batch = wins[s: s + subject.batch_size]
-        for (inp, k), tgt, lp in zip(batch, spans[s: s + len(batch)], subject.logprobs([w for w, _ in batch])):
-            total += -lp[len(inp) - k: len(inp)].gather(1, tgt[:, None]).sum().item()
+    def nll(i: int, lp: torch.Tensor) -> float:
+        inp, k = wins[i]
+        return -lp[len(inp) - k: len(inp)].gather(1, spans[i][:, None]).sum().item()
+
+    for x in subject.map_logprobs([w for w, _ in wins], nll):  # summed in window order on every rank
+        total += x
     return total

@@ -78,7 +78,10 @@ def check_data_files(suite: Suite) -> None:
 
 
 def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = None, batch_size: int | None = None,
-             kv: str | None = None, log=print, prefix_cache: bool = True) -> dict:
+             kv: str | None = None, log=print, prefix_cache: bool = True, distributed: bool = False) -> dict:
+    """Score ``model`` on a suite. Under torchrun (or with ``distributed``) the items of every task are
+    dealt across the ranks and gathered; rank 0 writes the run, which equals a one-process run's."""
+    from qbench.dist.comm import Dist
     from qbench.evals.subject import Subject
     from qbench.evals.tasks import TASKS
     from qbench.quant.quantize import versions
@@ -88,13 +91,18 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     check_data_files(suite)
     base = None if baseline is None else read_baseline(baseline, suite)
     bs = batch_size or suite.batch_size
-    subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv), prefix_cache=prefix_cache)
+    dist = Dist.from_env(required=distributed)
+    if not dist.main:
+        log = _quiet
+    subject = Subject(model, bs, None if kv is None else load_kv_scheme(kv), prefix_cache=prefix_cache, dist=dist)
     out = Path(out)
     header = {"suite": dict(suite.to_dict(), hash=suite.hash, path=suite.path), "subject": subject.describe(),
               "baseline": None if baseline is None else str(baseline), "batch_size": bs,
               "prefix_cache": subject.engine.prefix_cache}
-    _claim(out, header)
-    store = RunStore(out)
+    if dist.main:
+        _claim(out, header)
+    dist.barrier()  # every rank reads what the run folder already holds (a resumed run) only once it is claimed
+    store = RunStore(out, write=dist.main)
     ctx = RunContext(store, None if baseline is None else RunStore(baseline), suite.seed, suite.path)
     results = {}
     t0 = time.perf_counter()
@@ -103,12 +111,19 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
         seed_everything(suite.seed)
         results[name] = TASKS[name].run(subject, cfg, ctx)
     record = dict(header, tasks=results, versions=versions(), seconds=time.perf_counter() - t0,
-                  machine={"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+                  machine={"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                           "processes": dist.world},
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    if not dist.main:
+        return record
     if base is not None and same_subject(record, base):
         record["batch_invariance"] = compare_runs(record, out, base, Path(baseline))
     atomic_write_text(out / "results.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
     return record
+
+
+def _quiet(*_a, **_k) -> None:
+    pass
 
 
 def _claim(out: Path, header: dict) -> None:

@@ -37,13 +37,14 @@ def run(subject, cfg: Config, ctx) -> dict:
     engine, mc = subject.engine, subject.engine.config
     kv = kv_memory(subject.kv_scheme, mc.num_layers, mc.num_kv_heads, mc.head_dim, engine.model.dtype.itemsize)
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.new_tokens, ignore_eos=True)
-    subject.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))  # warm-up
+    # timed on this process's engine alone (under data parallelism every rank times its own)
+    engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True))  # warm-up
     out = {"prompt_tokens": len(prompt), "new_tokens": cfg.new_tokens, "kv_bytes_per_token": kv["bytes_per_token"],
            "weight_bytes": engine.model.weight_bytes(), "batches": {}}
     for b in cfg.batch_sizes:
         engine.reset_stats()  # this batch's steps only
         engine.clear_prefix_cache()  # the prompt is prefilled b times, as the speed figures assume
-        subject.generate([list(prompt) for _ in range(b)], params)
+        engine.generate([list(prompt) for _ in range(b)], params)
         st = engine.stats
         decode_s = sum(st.decode_s)
         tokens = sum(st.decode_batch)

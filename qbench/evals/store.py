@@ -17,8 +17,9 @@ from safetensors.torch import load_file, save_file
 
 
 class RunStore:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, write: bool = True):
         self.root = Path(root)
+        self.write = write  # False on every data-parallel rank but the first: they read, rank 0 writes
 
     def jsonl(self, task: str) -> Path:
         return self.root / "items" / f"{task}.jsonl"
@@ -36,6 +37,8 @@ class RunStore:
         return out
 
     def add_item(self, task: str, rec: dict) -> None:
+        if not self.write:
+            return
         path = self.jsonl(task)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as f:
@@ -51,6 +54,8 @@ class RunStore:
         return load_file(str(p)) if p.is_file() else None
 
     def save_part(self, task: str, key: str, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
+        if not self.write:
+            return
         p = self.part(task, key)
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.tmp-", dir=p.parent)

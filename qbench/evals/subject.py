@@ -6,17 +6,29 @@ and ``generate``. Both go through the engine's cache, so a quantized KV cache is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from qbench.dist.comm import Dist
 from qbench.engine.api import Generator
 from qbench.engine.sampling import SamplingParams
 
 
+@dataclass
+class Generated:
+    """What a task reads from a generated sequence, small enough to gather across ranks."""
+
+    output_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
 class Subject:
-    def __init__(self, model: str, batch_size: int, kv_scheme=None, prefix_cache: bool = True):
+    def __init__(self, model: str, batch_size: int, kv_scheme=None, prefix_cache: bool = True, dist: Dist = Dist()):
         self.spec = model
+        self.dist = dist  # data parallel: each rank computes its share of every call's items
         self.gen = Generator(model, backend="qbench", max_batch=batch_size, kv_scheme=kv_scheme,
                              prefix_cache=prefix_cache)
         self.engine = self.gen.backend
@@ -30,7 +42,9 @@ class Subject:
     def prefill_counters(self) -> tuple[int, int]:
         """(prompt tokens computed, prompt tokens served by the prefix cache) so far."""
         st = self.engine.stats
-        return st.computed_prefill_tokens, st.cached_tokens
+        mine = (st.computed_prefill_tokens, st.cached_tokens)
+        every = self.dist.gather([(self.dist.rank, mine)], self.dist.world)  # summed over data-parallel ranks
+        return sum(a for a, _ in every), sum(b for _, b in every)
 
     def describe(self) -> dict:
         from qbench.quant.quantize import source_sha256
@@ -56,11 +70,26 @@ class Subject:
         return self.tokenizer(text)["input_ids"]
 
     def logprobs(self, windows: list[list[int]]) -> list[torch.Tensor]:
-        """log-softmax (T, V) at every position of each window."""
+        """log-softmax (T, V) at every position of each window (this process only)."""
         return self.engine.score(windows)
 
+    def map_logprobs(self, windows: list[list[int]], fn) -> list:
+        """``fn(i, logprobs)`` for each window i -> its results in order. Under data parallelism each rank
+        scores its share and only ``fn``'s (small) results travel, never the (T, V) log-probs."""
+        def run(items):
+            return [fn(i, lp) for (i, _), lp in zip(items, self.engine.score([w for _, w in items]))]
+        return self.dist.map(list(enumerate(windows)), run, self.batch_size)
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):
-        return self.engine.generate(prompts, params)
+        if self.dist.world == 1:
+            return self.engine.generate(prompts, params)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+
+        def run(items):
+            seqs = self.engine.generate([p for p, _ in items], [sp for _, sp in items])
+            return [Generated(s.output_ids, s.text, s.finish_reason) for s in seqs]
+        return self.dist.map(list(zip(prompts, params)), run, self.batch_size)
 
 
 def prefix_cache_use(before: tuple[int, int], after: tuple[int, int]) -> dict:

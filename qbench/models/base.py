@@ -14,6 +14,7 @@ class CausalLM(torch.nn.Module):
     blocks: torch.nn.ModuleList
     final_norm: torch.nn.Module
     lm_head: torch.nn.Module
+    tp = None  # tensor parallel: this rank's vocabulary slice, and the collectives that join the slices
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -36,7 +37,13 @@ class CausalLM(torch.nn.Module):
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, V) at ``logits_index`` per row, else (B, T, V)."""
         cfg = self.config
-        x = self.embed(input_ids, meta.positions)  # (B, T, H)
+        if self.tp is None:
+            x = self.embed(input_ids, meta.positions)  # (B, T, H)
+        else:  # vocab-parallel: rows of this rank's slice, zeros elsewhere, summed over ranks
+            local = input_ids - self.tp.vocab[0]
+            inside = (local >= 0) & (local < cfg.vocab_size)
+            x = self.tp.all_reduce((self.embed(local.clamp(0, cfg.vocab_size - 1), meta.positions)
+                                    * inside[..., None]).contiguous())
         mask = None
         if caches is None or not uses_kernel(meta, x.dtype) or not getattr(caches[0], "native", True):
             mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
@@ -44,7 +51,8 @@ class CausalLM(torch.nn.Module):
             x = block(x, mask, meta, None if caches is None else caches[i])
         if logits_index is not None:
             x = x[torch.arange(x.shape[0]), logits_index]  # (B, H)
-        return self.lm_head(self.final_norm(x)).float()
+        logits = self.lm_head(self.final_norm(x)).float()  # (..., V) or this rank's (..., V / p)
+        return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def weight_bytes(self) -> int:
         """Bytes held by weight tensors, counting a shared (tied) tensor once."""

@@ -38,6 +38,7 @@ class LlamaBlock(torch.nn.Module):
         self.fused_silu = cfg.hidden_act == "silu"
         self.nh, self.nkv, self.hd, self.inter = nh, nkv, hd, I
         self.scale = hd ** -0.5
+        self.reduce = None  # tensor parallel: the all-reduce after each row-parallel projection
 
     def forward(self, x, mask, meta, cache):
         B, T, _ = x.shape
@@ -45,12 +46,16 @@ class LlamaBlock(torch.nn.Module):
         qk = rotate_heads(qkv, self.nh + self.nkv, meta.positions, self.rope)  # q and k rotate together
         q, k = qk[:, :, : self.nh], qk[:, :, self.nh:]
         v = qkv[:, :, self.nh + self.nkv:]
-        x = x + self.o_proj(attend(q, k, v, mask, meta, cache, self.scale, self.window))
+        x = x + self._sum(self.o_proj(attend(q, k, v, mask, meta, cache, self.scale, self.window)))
         gate_up = self.gate_up(self.post_norm(x))
         if self.fused_silu and gate_up.dtype == torch.float32 and kernels.available():
-            return x + self.down_proj(silu_mul(gate_up))
+            return x + self._sum(self.down_proj(silu_mul(gate_up)))
         gate, up = gate_up.split(self.inter, dim=-1)
-        return x + self.down_proj(self.act(gate) * up)
+        return x + self._sum(self.down_proj(self.act(gate) * up))
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial sums -> the full output (identity on one process)."""
+        return partial if self.reduce is None else self.reduce(partial.contiguous())
 
 
 class LlamaModel(CausalLM):

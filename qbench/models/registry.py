@@ -16,10 +16,13 @@ FAMILIES = {"llama": LlamaModel, "gpt2": GPT2Model}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def load_model(folder: Path, dtype: torch.dtype = torch.float32, tensors=None, factory=None) -> CausalLM:
-    """A model from a Hugging Face folder; ``tensors``/``factory`` let an artifact supply its own."""
+def load_model(folder: Path, dtype: torch.dtype = torch.float32, tensors=None, factory=None, shard=None) -> CausalLM:
+    """A model from a Hugging Face folder; ``tensors``/``factory`` let an artifact supply its own.
+    ``shard(cfg, tensors) -> (cfg, tensors)`` builds one tensor-parallel rank's part instead."""
     cfg = ModelConfig.from_folder(folder)
     tensors = load_state_dict(folder, dtype) if tensors is None else tensors
+    if shard is not None:
+        cfg, tensors = shard(cfg, tensors)
     model = FAMILIES[cfg.family](cfg, tensors, where=str(folder), factory=factory)
     model.eval()
     return model

@@ -176,7 +176,7 @@ def artifact_kv_scheme(manifest: dict, where: str):
     return kv_from_dict({k: v for k, v in kv.items() if k != "memory"}, f"{where}/{MANIFEST}")
 
 
-def load_artifact(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[CausalLM, dict]:
+def load_artifact(folder: Path, dtype: torch.dtype = torch.float32, shard=None) -> tuple[CausalLM, dict]:
     from qbench.models.registry import load_model
 
     folder = Path(folder)
@@ -201,5 +201,7 @@ def load_artifact(folder: Path, dtype: torch.dtype = torch.float32) -> tuple[Cau
                                   f"does not match the weights: re-create the artifact")
     ModelConfig.from_folder(folder)
     factory = QuantFactory(manifest["scheme"], manifest.get("quantized", {}), str(folder))
-    model = load_model(folder, dtype, tensors=LazyTensors(folder, dtype), factory=factory)
+    tensors = LazyTensors(folder, dtype)
+    model = load_model(folder, dtype, tensors=tensors, factory=factory,
+                       shard=None if shard is None else lambda cfg, t: shard(cfg, t, scheme))
     return model, manifest
