@@ -74,8 +74,10 @@ def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
 @click.option("--tp", "tp", type=click.Choice(["backend", "ring"]),
               help="Tensor parallel over the processes torchrun starts, all-reducing with gloo's own "
                    "all-reduce (backend) or qbench's ring; rank 0 prints.")
+@click.option("-n", "n", default=1, show_default=True, type=int,
+              help="Samples per prompt, sharing the prompt's KV blocks (sample i uses seed + i).")
 def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top_k, top_p, seed, stop, backend,
-             dtype, batch_size, as_json, kv, tp):
+             dtype, batch_size, as_json, kv, tp, n):
     """Generate text from MODEL (a zoo name, a local folder or a hub id)."""
     from qbench.engine.api import Generator
     from qbench.engine.sampling import SamplingParams
@@ -86,7 +88,14 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
     from qbench.quant.recipe import load_kv_scheme
     gen = Generator(model, backend=backend, dtype=dtype, max_batch=batch_size,
                     kv_scheme=None if kv is None else load_kv_scheme(kv), tp=tp)
-    results = gen.generate([r["prompt"] for r in rows], params, chat=chat)
+    if n != 1:
+        if len(rows) != 1 or backend != "qbench":
+            raise QBenchError("-n samples one prompt on qbench's engine; give one prompt and drop --backend")
+        results, saved = gen.sample_n(rows[0]["prompt"], params[0], n, chat=chat)
+        rows = rows * n
+        click.echo(saved, err=True)
+    else:
+        results = gen.generate([r["prompt"] for r in rows], params, chat=chat)
     if gen.tp_rank:
         return
     for row, c in zip(rows, results):

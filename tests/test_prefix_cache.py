@@ -183,6 +183,7 @@ def test_parallel_sampling_shares_the_prompt_blocks(tiny_models, scheme):
     peak = []
     eng.observer = lambda sched, step: peak.append(eng.blocks.num_used)
     outs = eng.generate_n(prompt, sp, 4)
+    assert len(outs) == 4 and len({tuple(s.output_ids) for s in outs}) > 1
     # each sample equals the same prompt run alone with its own seed
     alone = Engine(model, block_size=4, kv_scheme=scheme)
     for i, s in enumerate(outs):

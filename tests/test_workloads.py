@@ -72,3 +72,14 @@ def test_unknown_workload_is_refused(smollm2):
     r = subprocess.run([sys.executable, "-m", "qbench", "bench", SMOL, "--workload", "chat"],
                        capture_output=True, text=True)
     assert r.returncode != 0 and "chat" in r.stderr
+
+
+def test_generate_n_samples_share_the_prompt_blocks(smollm2):
+    r = subprocess.run([sys.executable, "-m", "qbench", "generate", SMOL, "Tell me about the sea. " * 6, "-n", "4",
+                        "--temperature", "0.9", "--max-new-tokens", "12", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(rows) == 4 and len({tuple(x["tokens"]) for x in rows}) > 1  # four different samples
+    line = next(x for x in r.stderr.splitlines() if "samples share" in x)
+    peak, alone = (int(x) for x in __import__("re").findall(r"(\d+) (?:blocks|unshared)", line)[:2])
+    assert peak < alone and "3 copy-on-write copies" in line  # the fourth writer owned the block alone

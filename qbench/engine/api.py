@@ -118,6 +118,23 @@ class Generator:
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         return tok(prompt)["input_ids"]
 
+    def sample_n(self, prompt: str, params: SamplingParams, n: int, chat: bool = False) -> tuple[list[Completion], str]:
+        """``n`` samples of one prompt whose KV blocks they share -> completions and a line on the memory saved."""
+        eng = self.backend
+        ids = self.encode(prompt, chat)
+        peak = [0]
+        eng.observer = lambda sched, step: peak.__setitem__(0, max(peak[0], eng.blocks.num_used))
+        try:
+            seqs = eng.generate_n(ids, params, n)
+        finally:
+            eng.observer = None
+        alone = sum(eng.blocks.blocks_for(len(s) - 1) for s in seqs)  # each sample's cache on its own
+        per_block = eng.pool.block_nbytes
+        line = (f"{n} samples share the prompt's {len(ids) // eng.block_size} full blocks: peak KV {peak[0]} blocks "
+                f"({peak[0] * per_block / 2**20:.1f} MiB) against {alone} unshared "
+                f"({alone * per_block / 2**20:.1f} MiB); {eng.blocks.copies} copy-on-write copies")
+        return [Completion(prompt, s.text, s.output_ids, len(s.prompt_ids), s.finish_reason) for s in seqs], line
+
     def generate(self, prompts: list[str], params: list[SamplingParams] | SamplingParams,
                  chat: bool = False) -> list[Completion]:
         ids = [self.encode(p, chat) for p in prompts]

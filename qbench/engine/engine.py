@@ -145,10 +145,11 @@ class Engine:
                               f"(policy {self.sched_cfg.policy}, max_batch {self.max_batch})")
         parent = make_sequences([prompt], params, self.config.max_positions)[0]
         parent.cache_salt = cache_salt
-        parent.forks = [Sequence(list(prompt), replace(params, seed=params.seed + i)) for i in range(1, n)]
+        children = [Sequence(list(prompt), replace(params, seed=params.seed + i)) for i in range(1, n)]
+        parent.forks = list(children)  # emptied once they have forked
         self._size_pool([self._budget(parent)] * n)
         self._run([parent])
-        return [parent] + parent.forks
+        return [parent] + children
 
     def _run(self, seqs: list[Sequence]) -> None:
         sched = Scheduler(self.sched_cfg, self.blocks, self.cache, budget_of=self._budget)
