@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -11,6 +13,14 @@ warnings.filterwarnings("ignore")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SMOL = "smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_qbench(*args, env=None, timeout=900, cwd=None):
+    """``python -m qbench ARGS`` in a fresh process, offline -> CompletedProcess with text output."""
+    e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "qbench", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=e, cwd=cwd)
 
 
 @pytest.fixture(params=["kernels", "torch"])

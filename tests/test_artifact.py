@@ -1,16 +1,13 @@
 """qbench quantize: self-describing artifacts that load back into the engine, written atomically."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import SMOL
+from conftest import SMOL, run_qbench
 from qbench.engine.engine import Engine
 from qbench.engine.sampling import SamplingParams
 from qbench.errors import QBenchError
@@ -131,9 +128,7 @@ def test_w8_top1_agreement_does_not_regress(w8_agreement):
     assert w8_agreement >= 0.97, w8_agreement
 
 
-def qbench(*args):
-    return subprocess.run([sys.executable, "-m", "qbench", *args], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+qbench = run_qbench
 
 
 def one_line_error(proc, fragment):

@@ -1,20 +1,14 @@
 """Bad input gets one clear line on stderr, a non-zero exit, and no traceback."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import SMOL
+from conftest import SMOL, run_qbench
 
 
-def qbench(*args, env=None):
-    e = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "qbench", *args], capture_output=True, text=True, env=e,
-                          timeout=300)
+qbench = run_qbench
 
 
 def assert_one_line_error(proc, *fragments):

@@ -6,17 +6,14 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import SMOL
+from conftest import ROOT, SMOL, run_qbench
 from qbench.dist.ring import RingStats, expected_traffic, ring_all_reduce
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(n, *args, timeout=900):
@@ -101,8 +98,7 @@ def test_data_parallel_eval_equals_one_process(tmp_path, smollm2):
     suite = tmp_path / "dp.yaml"
     suite.write_text(DP_SUITE)
     one, two = tmp_path / "one", tmp_path / "two"
-    r = subprocess.run([sys.executable, "-m", "qbench", "eval", SMOL, "--suite", str(suite), "--out", str(one)],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = run_qbench("eval", SMOL, "--suite", suite, "--out", one, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     r = torchrun(2, "-m", "qbench", "eval", SMOL, "--suite", str(suite), "--out", str(two), "--distributed")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -121,8 +117,7 @@ def test_data_parallel_eval_equals_one_process(tmp_path, smollm2):
 
 
 def test_distributed_without_torchrun_is_refused(smollm2, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "qbench", "eval", SMOL, "--suite", "evals/quick.yaml", "--out",
-                        str(tmp_path / "x"), "--distributed"], capture_output=True, text=True, cwd=ROOT)
+    r = run_qbench("eval", SMOL, "--suite", "evals/quick.yaml", "--out", tmp_path / "x", "--distributed", cwd=ROOT)
     assert r.returncode == 2 and "torchrun --nproc-per-node" in r.stderr and not (tmp_path / "x").exists()
 
 
@@ -166,16 +161,24 @@ dist.destroy_process_group()
 @pytest.fixture(scope="module")
 def w4g128(smollm2, tmp_path_factory):
     out = tmp_path_factory.mktemp("tp") / "w4g128"
-    r = subprocess.run([sys.executable, "-m", "qbench", "quantize", SMOL, "--recipe", "w4g128", "--out", str(out)],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = run_qbench("quantize", SMOL, "--recipe", "w4g128", "--out", out, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def w8(smollm2, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp") / "w8"
+    r = run_qbench("quantize", SMOL, "--recipe", "w8", "--out", out, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     return out
 
 
 @pytest.mark.parametrize("which, kind, tol", [("fp", "backend", 1e-3), ("fp", "ring", 1e-3),
-                                              ("w4g128", "ring", 5e-2)])
+                                              ("w4g128", "ring", 5e-2), ("w8", "backend", 1e-3)])
 def test_tensor_parallel_matches_one_process(tmp_path, smollm2, request, which, kind, tol):
-    spec = SMOL if which == "fp" else str(request.getfixturevalue("w4g128"))  # o_proj cut at 384 = 3 groups
+    # w4g128: o_proj is cut at input column 384 = 3 groups; w8: per-channel scales stay whole per row
+    spec = SMOL if which == "fp" else str(request.getfixturevalue(which))
     script = tmp_path / "tp_check.py"
     script.write_text(TP_CHECK)
     r = torchrun(2, str(script), spec, kind)

@@ -1,14 +1,11 @@
 """GSM8K: lm-eval's prompt formats, filters and exact-match rules, seeded subsets, paired records."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-from conftest import SMOL
+from conftest import SMOL, run_qbench
 from qbench.evals import gsm8k as g
 from qbench.evals.data import load_jsonl
 
@@ -56,9 +53,7 @@ def test_gsm8k_runs_paired_against_its_baseline(tmp_path, smollm2):
     suite = tmp_path / "s.yaml"
     suite.write_text("name: g\nseed: 3\nbatch_size: 2\ntasks:\n  gsm8k: {limit: 2, max_new_tokens: 48}\n"
                      "  gsm8k_cot: {limit: 2, max_new_tokens: 48}\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "qbench", "eval", SMOL, "--suite", str(suite), *a],  # noqa
-                                    capture_output=True, text=True, timeout=600, env=env)
+    run = lambda *a: run_qbench("eval", SMOL, "--suite", suite, *a)  # noqa: E731
     p = run("--out", str(tmp_path / "a"))
     assert p.returncode == 0, p.stderr
     p = run("--out", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"), "--kv", "kv8")
@@ -85,9 +80,7 @@ def test_the_users_own_prompts_compared_with_the_baseline(tmp_path, smollm2):
     prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to five."}\n{"id": "x", "prompt": "Say hi."}\n')
     suite = tmp_path / "s.yaml"
     suite.write_text(f"name: c\nseed: 1\nbatch_size: 3\ntasks:\n  custom: {{data: {prompts}, max_new_tokens: 12}}\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "qbench", "eval", SMOL, "--suite", str(suite), *a],  # noqa
-                                    capture_output=True, text=True, timeout=600, env=env)
+    run = lambda *a: run_qbench("eval", SMOL, "--suite", suite, *a)  # noqa: E731
     assert run("--out", str(tmp_path / "a")).returncode == 0
     p = run("--out", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"))
     assert p.returncode == 0, p.stderr

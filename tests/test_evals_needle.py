@@ -1,14 +1,11 @@
 """Needle retrieval: prompts built to length with needles at their depths, RULER's scoring, heatmaps."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
-from conftest import SMOL
+from conftest import SMOL, run_qbench
 from qbench.errors import QBenchError
 from qbench.evals import needle as nd
 from qbench.evals.data import load_text
@@ -59,9 +56,7 @@ def test_needle_grid_heatmaps_and_paired_scores(tmp_path, smollm2):
     suite = tmp_path / "s.yaml"
     suite.write_text("name: n\nseed: 5\nbatch_size: 4\ntasks:\n  needle: {kinds: [niah_single_noise, niah_multikey], "
                      "lengths: [200, 400], depths: [0, 100], max_new_tokens: 12}\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "qbench", "eval", SMOL, "--suite", str(suite), *a],  # noqa
-                                    capture_output=True, text=True, timeout=600, env=env)
+    run = lambda *a: run_qbench("eval", SMOL, "--suite", suite, *a)  # noqa: E731
     assert run("--out", str(tmp_path / "a")).returncode == 0
     p = run("--out", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"), "--kv", "k4v2")
     assert p.returncode == 0, p.stderr
@@ -72,6 +67,5 @@ def test_needle_grid_heatmaps_and_paired_scores(tmp_path, smollm2):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     big = tmp_path / "big.yaml"
     big.write_text("name: n\ntasks:\n  needle: {lengths: [8190]}\n")
-    p = subprocess.run([sys.executable, "-m", "qbench", "eval", SMOL, "--suite", str(big), "--out",
-                        str(tmp_path / "c")], capture_output=True, text=True, timeout=600, env=env)
+    p = run_qbench("eval", SMOL, "--suite", big, "--out", tmp_path / "c")
     assert p.returncode == 2 and "exceed the model's context window of 8192" in p.stderr

@@ -1,14 +1,11 @@
 """qbench eval: suites validated with clear errors, controlled baselines, reproducible and resumable runs."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import SMOL
+from conftest import SMOL, run_qbench
 from qbench.errors import QBenchError
 from qbench.evals.suite import load_suite
 
@@ -28,9 +25,7 @@ def suite(tmp_path, text=TINY, name="s.yaml"):
     return str(p)
 
 
-def qbench(*args):
-    return subprocess.run([sys.executable, "-m", "qbench", *args], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+qbench = run_qbench
 
 
 def strip_timings(rec):

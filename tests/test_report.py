@@ -5,12 +5,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import SMOL
+from conftest import SMOL, run_qbench
 
 SUITE = """name: mini
 seed: 11
@@ -23,9 +22,7 @@ tasks:
 """
 
 
-def qbench(*args):
-    return subprocess.run([sys.executable, "-m", "qbench", *args], capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+qbench = run_qbench
 
 
 @pytest.fixture(scope="module")

@@ -2,12 +2,10 @@
 stream under static and continuous batching at block sizes 8, 16 and 32."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import SMOL
+from conftest import SMOL, run_qbench
 from qbench.bench import workloads as w
 
 
@@ -18,8 +16,7 @@ def subject(smollm2):
 
 def test_gsm8k_workload_replays_the_eval_and_saves_the_shared_prefix(smollm2, tmp_path):
     out = tmp_path / "gsm8k.json"
-    r = subprocess.run([sys.executable, "-m", "qbench", "bench", SMOL, "--workload", "gsm8k", "--limit", "3",
-                        "--gen-len", "8", "--out", str(out)], capture_output=True, text=True)
+    r = run_qbench("bench", SMOL, "--workload", "gsm8k", "--limit", 3, "--gen-len", 8, "--out", out)
     assert r.returncode == 0, r.stderr
     rep = json.loads(out.read_text())
     off, on = rep["without_cache"], rep["with_cache"]
@@ -69,14 +66,13 @@ def test_mixed_stream_static_vs_continuous_and_block_sizes(subject):
 
 
 def test_unknown_workload_is_refused(smollm2):
-    r = subprocess.run([sys.executable, "-m", "qbench", "bench", SMOL, "--workload", "chat"],
-                       capture_output=True, text=True)
+    r = run_qbench("bench", SMOL, "--workload", "chat")
     assert r.returncode != 0 and "chat" in r.stderr
 
 
 def test_generate_n_samples_share_the_prompt_blocks(smollm2):
-    r = subprocess.run([sys.executable, "-m", "qbench", "generate", SMOL, "Tell me about the sea. " * 6, "-n", "4",
-                        "--temperature", "0.9", "--max-new-tokens", "12", "--json"], capture_output=True, text=True)
+    r = run_qbench("generate", SMOL, "Tell me about the sea. " * 6, "-n", 4, "--temperature", 0.9,
+                   "--max-new-tokens", 12, "--json")
     assert r.returncode == 0, r.stderr
     rows = [json.loads(x) for x in r.stdout.splitlines()]
     assert len(rows) == 4 and len({tuple(x["tokens"]) for x in rows}) > 1  # four different samples
