@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,20 +159,21 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.fixture(scope="module")
-def w4g128(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "w4g128"
-    r = run_qbench("quantize", SMOL, "--recipe", "w4g128", "--out", out, cwd=ROOT)
+def _quantized(recipe: str, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tp") / recipe
+    r = run_qbench("quantize", SMOL, "--recipe", recipe, "--out", out, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def w4g128(smollm2, tmp_path_factory):
+    return _quantized("w4g128", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def w8(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp") / "w8"
-    r = run_qbench("quantize", SMOL, "--recipe", "w8", "--out", out, cwd=ROOT)
-    assert r.returncode == 0, r.stderr
-    return out
+    return _quantized("w8", tmp_path_factory)
 
 
 @pytest.mark.parametrize("which, kind, tol", [("fp", "backend", 1e-3), ("fp", "ring", 1e-3),
