@@ -204,12 +204,13 @@ def test_chunked_prefill_equals_one_prefill(tiny_models):
     sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
     big = Engine(model, block_size=4, token_budget=4096)
     small = Engine(model, block_size=4, token_budget=8, max_batch=4)
-    small.step_log = []
+    steps = []
+    small.observer = lambda sched, step: steps.append(step.describe())
     a = [s.output_ids for s in big.generate(prompts(), sp)]
     b = [s.output_ids for s in small.generate(prompts(), sp)]
     assert a == b
-    assert max(sum(n for _, n in st["prefill"]) + len(st["decode"]) for st in small.step_log) <= 8
-    assert any(n < 40 for st in small.step_log for _, n in st["prefill"])  # prompts really were chunked
+    assert max(sum(n for _, n in st["prefill"]) + len(st["decode"]) for st in steps) <= 8
+    assert any(n < 40 for st in steps for _, n in st["prefill"])  # prompts really were chunked
 
 
 def test_cache_survives_a_pool_that_grows(tiny_models):

@@ -17,7 +17,7 @@ from qbench.engine.block_manager import BlockManager
 from qbench.engine.kv_cache import KVPool, QuantKVPool, blocks_in_budget
 from qbench.engine.radix import RadixCache
 from qbench.engine.runner import ModelRunner
-from qbench.engine.scheduler import Scheduler, SchedulerConfig
+from qbench.engine.scheduler import Scheduler, SchedulerConfig, pool_too_small
 from qbench.engine.sampling import SamplingParams, sample_batch
 from qbench.engine.sequence import Sequence, make_sequences
 from qbench.engine.stopping import check_finished
@@ -64,7 +64,6 @@ class Engine:
         self.blocks: BlockManager | None = None
         self.runner: ModelRunner | None = None
         self.stats = StepStats()
-        self.step_log: list[dict] | None = None  # set to [] to record each step's requests
         self.observer = None  # called as observer(scheduler, step) once each step is scheduled
         self.cache: RadixCache | None = None
         # A quantized cache with a residual window of one block quantizes each block once it is full,
@@ -156,13 +155,10 @@ class Engine:
         for s in seqs:
             shared = len(s) // self.block_size  # whole prompt blocks, held once however many samples
             if shared + (self.blocks.blocks_for(self._budget(s)) - shared) * (1 + len(s.forks)) > self.blocks.num_blocks:
-                raise QBenchError(f"a request needs {self._budget(s) * (1 + len(s.forks))} KV tokens but the pool "
-                                  f"holds {self.pool.capacity_tokens}; raise the KV capacity or lower max_new_tokens")
+                raise pool_too_small(self._budget(s) * (1 + len(s.forks)), self.pool.capacity_tokens)
             sched.add(s)
         while not sched.done:
             step = sched.schedule()
-            if self.step_log is not None:
-                self.step_log.append(step.describe())
             if self.observer is not None:
                 self.observer(sched, step)
             if step.decodes:
@@ -201,7 +197,7 @@ class Engine:
             for j, s in enumerate(wave):
                 s.kv_slot = j
                 if self.cache is not None:
-                    self.cache.evict(self.blocks.blocks_for(len(s)) - self.blocks.num_free)
+                    self.cache.evict(self.blocks.blocks_for(len(s)) - self.blocks.num_free)  # a no-op with room
                 self.blocks.reserve(s, len(s))
             logits = self.runner.prefill(wave, all_logits=True)  # (B, T, V)
             for j, s in enumerate(wave):

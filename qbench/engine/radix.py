@@ -39,8 +39,6 @@ class RadixCache:
         self.bs = blocks.block_size
         self.roots: dict[str, Node] = {}
         self._clock = itertools.count(1)
-        self.hit_tokens = 0
-        self.lookup_tokens = 0
         self.evicted_blocks = 0
 
     def _root(self, salt: str) -> Node:
@@ -79,14 +77,10 @@ class RadixCache:
             node = child
         return node, blocks
 
-    def match(self, tokens: list[int], salt: str = "", count: bool = True) -> tuple[Node, list[int]]:
-        """Longest cached whole-block prefix of ``tokens`` -> (its last node, pinned; its blocks).
-        ``count``: a request's lookup, counted in the hit statistics."""
+    def match(self, tokens: list[int], salt: str = "") -> tuple[Node, list[int]]:
+        """Longest cached whole-block prefix of ``tokens`` -> (its last node, pinned; its blocks)."""
         node, blocks = self._walk(tokens, salt)
         self.lock(node)
-        if count:
-            self.lookup_tokens += len(tokens)
-            self.hit_tokens += len(blocks) * self.bs
         return node, blocks
 
     def lock(self, node: Node) -> None:
@@ -100,24 +94,27 @@ class RadixCache:
             assert node.lock >= 0
             node = node.parent
 
-    def insert(self, tokens: list[int], blocks: list[int], salt: str = "") -> int:
+    def insert(self, tokens: list[int], blocks: list[int], salt: str = "") -> Node:
         """Cache the whole blocks of ``tokens`` (``blocks`` hold their K/V). Blocks already cached for the
-        same tokens are kept and the caller's copies are not adopted. Returns the blocks newly cached."""
+        same tokens are kept and the caller's copies are not adopted. Returns the node that ends the
+        cached path (not pinned)."""
         n = min(len(tokens) // self.bs, len(blocks))
         tokens, blocks = tokens[: n * self.bs], blocks[:n]
         node, have = self._walk(tokens, salt)
         if len(have) == n:
-            return 0
+            return node
         rest = blocks[len(have):]
         leaf = Node(tuple(tokens[len(have) * self.bs:]), list(rest), node)
         leaf.last_used = node.last_used
         node.children[leaf.key[: self.bs]] = leaf
         for b in rest:
             self.bm.incref(b)
-        return len(rest)
+        return leaf
 
     def evict(self, num_blocks: int) -> int:
         """Free at least ``num_blocks`` blocks if unpinned leaves allow; returns the blocks freed."""
+        if num_blocks <= 0:
+            return 0
         leaves = [(n.last_used, id(n), n) for n in self._nodes() if not n.children and n.lock == 0
                   and n.parent is not None]
         heapq.heapify(leaves)

@@ -60,6 +60,11 @@ class Step:
                 "preempt": [s.seq_id for s in self.preempted]}
 
 
+def pool_too_small(tokens: int, capacity: int) -> QBenchError:
+    return QBenchError(f"a request needs {tokens} KV tokens but the pool holds {capacity}; raise the KV capacity "
+                       f"or lower max_new_tokens")
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, cache: RadixCache | None = None,
                  budget_of=None):
@@ -116,9 +121,7 @@ class Scheduler:
             self._preempt(self.running[-1], step)
             self._fill(step)
         if not step.decodes and not step.prefills and self.waiting:
-            raise QBenchError(f"a request needs {self.budget_of(self.waiting[0])} KV tokens but the pool holds "
-                              f"{self.bm.num_blocks * self.bm.block_size}; raise the KV capacity or lower "
-                              f"max_new_tokens")
+            raise pool_too_small(self.budget_of(self.waiting[0]), self.bm.num_blocks * self.bm.block_size)
         return step
 
     def _fill(self, step: Step) -> None:
@@ -146,9 +149,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.free_slots) > len(self.waiting[0].forks):  # 3. new, FCFS
             seq = self.waiting[0]
             if self.cache is not None and seq.cache_node is None and seq.num_cached == 0:
-                if self._waits_for_inflight(seq):
+                node, blocks = self.cache.match(seq.token_ids[: len(seq) - 1], seq.cache_salt)
+                if self._waits_for_inflight(seq, len(blocks)):
+                    self.cache.unlock(node)
                     break
-                seq.cache_node, blocks = self.cache.match(seq.token_ids[: len(seq) - 1], seq.cache_salt)
+                seq.cache_node = node
                 for b in blocks:
                     self.bm.incref(b)
                 seq.block_table, seq.num_cached = list(blocks), len(blocks) * self.bm.block_size
@@ -181,10 +186,9 @@ class Scheduler:
             self.bm.prepare_write(seq, seq.num_cached + n)
         return n
 
-    def _waits_for_inflight(self, seq: Sequence) -> bool:
-        """True when a prefill in flight will cache a longer prefix of ``seq`` than the cache has now."""
+    def _waits_for_inflight(self, seq: Sequence, cached_blocks: int) -> bool:
+        """True when a prefill in flight will cache more whole blocks of ``seq`` than the cache has now."""
         bs = self.bm.block_size
-        node, have = self.cache._walk(seq.token_ids[: len(seq) - 1], seq.cache_salt)
         for other in self.running:
             if other.prefilled or other.cache_salt != seq.cache_salt:
                 continue
@@ -193,7 +197,7 @@ class Scheduler:
             limit = min(len(a) - 1, len(b))
             while common < limit and a[common] == b[common]:
                 common += 1
-            if common // bs > len(have):
+            if common // bs > cached_blocks:
                 return True
         return False
 
@@ -216,9 +220,7 @@ class Scheduler:
             self.running.append(seq)
             step.prefills.append((seq, len(seq)))
         if not self.running and self.waiting:
-            raise QBenchError(f"a request needs {self.budget_of(self.waiting[0])} KV tokens but the pool holds "
-                              f"{self.bm.num_blocks * self.bm.block_size}; raise the KV capacity or lower "
-                              f"max_new_tokens")
+            raise pool_too_small(self.budget_of(self.waiting[0]), self.bm.num_blocks * self.bm.block_size)
         return step
 
     # -- after the step --------------------------------------------------------------------------
@@ -234,9 +236,8 @@ class Scheduler:
         """Put the whole blocks of ``seq``'s first ``computed`` tokens in the prefix cache, pinned by ``seq``."""
         if self.cache is None:
             return
-        tokens = seq.token_ids[:computed]
-        self.cache.insert(tokens, seq.block_table, seq.cache_salt)
-        node, _ = self.cache.match(tokens, seq.cache_salt, count=False)
+        node = self.cache.insert(seq.token_ids[:computed], seq.block_table, seq.cache_salt)
+        self.cache.lock(node)
         if seq.cache_node is not None:
             self.cache.unlock(seq.cache_node)
         seq.cache_node = node
