@@ -142,11 +142,7 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
         report = run_tp_bench(model, tp, prompt_len, gen_len)
         if report is None:
             return  # not rank 0
-        click.echo(render_tp(report))
-        if out_path:
-            from qbench.paths import atomic_write_text
-            atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
-            click.echo(f"wrote {out_path}", err=True)
+        _emit(render_tp(report), report, out_path)
         return
 
     if workload:
@@ -156,18 +152,19 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
         gen = click.get_current_context().get_parameter_source("gen_len").name == "COMMANDLINE"
         report = run_workload(workload, model, kv=kvs[0] if kvs else None, suite=suite, limit=limit,
                               gen_len=gen_len if gen else None)
-        click.echo(render_workload(report))
-        if out_path:
-            from qbench.paths import atomic_write_text
-            atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
-            click.echo(f"wrote {out_path}", err=True)
+        _emit(render_workload(report), report, out_path)
         return
 
     cfg = BenchConfig.parse(model=model, batch_sizes=batch_sizes, prompt_len=prompt_len, gen_len=gen_len,
                             backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype,
                             variants=variants, qlinear=qlinear, kv=kvs)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
-    click.echo(render_table(report))
+    _emit(render_table(report), report, out_path)
+
+
+def _emit(text: str, report: dict, out_path: str | None) -> None:
+    """A bench's summary on stdout, and its JSON report at ``out_path`` (written atomically) when given."""
+    click.echo(text)
     if out_path:
         from qbench.paths import atomic_write_text
         atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
@@ -216,13 +213,14 @@ def export(artifact, fmt, out_dir):
 def eval_cmd(model, suite, out_dir, baseline, batch_size, kv, prefix_cache, distributed):
     """Score MODEL (an fp model or an artifact) on a suite, against a baseline run when given."""
     import os
-    if int(os.environ.get("RANK", "0")) > 0:
+    rank = int(os.environ.get("RANK", "0"))  # set by torchrun
+    if rank > 0:
         os.environ["TQDM_DISABLE"] = "1"  # one progress display: rank 0's
     from qbench.evals.run import run_eval
 
     record = run_eval(model, suite, Path(out_dir), None if baseline is None else Path(baseline), batch_size, kv,
                       log=lambda m: click.echo(m, err=True), prefix_cache=prefix_cache, distributed=distributed)
-    if int(os.environ.get("RANK", "0")) > 0:
+    if rank > 0:
         return
     from qbench.evals.summary import render_summary
     click.echo(render_summary(record))

@@ -70,7 +70,7 @@ def run_tp_bench(model: str, allreduce: str, prompt_len: int = 64, gen_len: int 
     prompt = bench_prompts(gen.tokenizer, 1, prompt_len)
     eng.generate(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
     eng.reset_stats()
-    before = (coll.all_reduces, coll.all_reduce_bytes)
+    before = coll.all_reduces
     seq = eng.generate(prompt, SamplingParams(max_new_tokens=gen_len, ignore_eos=True))[0]
     st = eng.stats
     steps = len(st.decode_s) + len(st.prefill_s)
@@ -78,8 +78,7 @@ def run_tp_bench(model: str, allreduce: str, prompt_len: int = 64, gen_len: int 
             "kv_pool_bytes": eng.pool.nbytes, "heads": list(gen.shard.heads), "kv_heads": list(gen.shard.kv_heads),
             "intermediate": list(gen.shard.inter), "vocab": list(gen.shard.vocab),
             "decode_tok_s": sum(st.decode_batch) / sum(st.decode_s), "tokens": seq.output_ids,
-            "all_reduces_per_forward": (coll.all_reduces - before[0]) / steps,
-            "all_reduce_bytes_per_decode_step": None}
+            "all_reduces_per_forward": (coll.all_reduces - before) / steps}
     ranks = d.gather([(d.rank, mine)], d.world)
     sweep = ring_sweep(m.config.hidden_size)
     if not d.main:

@@ -48,7 +48,6 @@ class MemoryProbe:
         self.sum_reserved = self.sum_used = 0
         self.max_waste_tokens = 0  # over sequences and steps
         self.table_entries = 0
-        self.max_waste_vs_bound = 0.0  # waste / (running * (block_size - 1))
 
     def __call__(self, sched, step) -> None:
         eng, bs = self.engine, self.engine.block_size
@@ -81,7 +80,7 @@ class MemoryProbe:
 
 def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], group: int | None = None) -> dict:
     """Replays ``requests`` (in groups of ``group`` per generate call, as an eval submits them)."""
-    engine.stats.__init__()
+    engine.reset_stats()
     group = group or len(requests)
     t0 = time.perf_counter()
     seqs = []
@@ -122,10 +121,11 @@ def _cache_pair(subject: Subject, requests, group=None, max_batch: int = 8, **kw
             "identical_outputs": _outputs(a) == _outputs(b), "_runs": (a, b)}
 
 
-def gsm8k(subject: Subject, suite: str, limit: int, seed: int = 1234, max_new_tokens: int | None = None) -> dict:
-    """The GSM8K eval's own requests: its prompts, its batches, its stop strings, greedy."""
+def gsm8k(subject: Subject, suite: str, limit: int, max_new_tokens: int | None = None) -> dict:
+    """The GSM8K eval's own requests: its prompts and seed, its batches, its stop strings, greedy."""
+    from dataclasses import replace
+
     from qbench.evals import gsm8k as g
-    from qbench.evals.data import load_jsonl
     from qbench.evals.suite import load_suite
 
     s = load_suite(suite)
@@ -133,16 +133,10 @@ def gsm8k(subject: Subject, suite: str, limit: int, seed: int = 1234, max_new_to
     if task is None:
         raise QBenchError(f"bench: {suite} has no gsm8k or gsm8k_cot task to replay")
     cfg = s.tasks[task]
-    rows = load_jsonl(cfg.data, f"{suite}: tasks.{task}.data", required=("question",))
-    chosen = g.select(len(rows), limit or cfg.limit, seed)
-    if cfg.format == "gsm8k_cot":
-        shots_of = lambda i: g.cot_exemplars()[: cfg.fewshot]  # noqa: E731
-    else:
-        train = load_jsonl(cfg.train_data, f"{suite}: tasks.{task}.train_data", required=("question", "answer"))
-        shots_of = lambda i: random.Random(seed * 1_000_003 + i).sample(train, cfg.fewshot)  # noqa: E731
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or cfg.max_new_tokens,
-                            stop=g.FORMATS[cfg.format]["stop"])
-    requests = [(subject.tokenizer(g.build_prompt(cfg, rows[i], shots_of(i)))["input_ids"], params) for i in chosen]
+    _, prompts, params = g.requests(cfg, f"{suite}: tasks.{task}", s.seed, limit or None)
+    if max_new_tokens:
+        params = replace(params, max_new_tokens=max_new_tokens)
+    requests = [(subject.tokenizer(p)["input_ids"], params) for _, p in prompts]
     pair = _cache_pair(subject, requests, group=s.batch_size, max_batch=s.batch_size)
     pair.pop("_runs")
     lens = [len(p) for p, _ in requests]

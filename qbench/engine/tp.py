@@ -84,9 +84,9 @@ class ShardedTensors:
                 "gate": s.inter, "up": s.inter, "down": s.inter}[proj]
 
     def get(self, name: str, default=None):
-        t = self.inner.get(name, default)
-        if t is None or t is default:
-            return t
+        if name not in self.inner:
+            return default
+        t = self.inner.get(name)
         if m := _ROW.search(name):
             a, b = self._range(m.group(1) or m.group(2))
             return t[a:b].contiguous()

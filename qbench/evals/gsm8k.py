@@ -107,23 +107,28 @@ def score(output: str, target: str, fmt: str) -> dict:
             "flexible_correct": normalize(flexible) == gold}
 
 
+def requests(cfg: Config, where: str, seed: int, limit: int | None = None
+             ) -> tuple[list[dict], list[tuple[int, str]], SamplingParams]:
+    """The eval's requests: the test rows, each chosen item's (index, prompt) in order, and the sampling.
+    CoT uses the fixed exemplars; plain GSM8K draws its shots per item from train, seeded."""
+    rows = load_jsonl(cfg.data, f"{where}.data", required=("question",))
+    chosen = select(len(rows), cfg.limit if limit is None else limit, seed)
+    if cfg.format == "gsm8k_cot":
+        fixed = cot_exemplars()[: cfg.fewshot]
+        shots = lambda i: fixed  # noqa: E731
+    else:
+        train = load_jsonl(cfg.train_data, f"{where}.train_data", required=("question", "answer"))
+        shots = lambda i: random.Random(seed * 1_000_003 + i).sample(train, cfg.fewshot)  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop=FORMATS[cfg.format]["stop"])
+    return rows, [(i, build_prompt(cfg, rows[i], shots(i))) for i in chosen], params
+
+
 def run(subject, cfg: Config, ctx) -> dict:
     task = cfg.format
-    where = f"{ctx.suite_path}: tasks.{task}"
-    rows = load_jsonl(cfg.data, f"{where}.data", required=("question",))
-    chosen = select(len(rows), cfg.limit, ctx.seed)
-    if cfg.format == "gsm8k":
-        train = load_jsonl(cfg.train_data, f"{where}.train_data", required=("question", "answer"))
-    fixed = cot_exemplars()[: cfg.fewshot] if cfg.format == "gsm8k_cot" else None
-    params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop=FORMATS[task]["stop"])
+    rows, prompts, params = requests(cfg, f"{ctx.suite_path}: tasks.{task}", ctx.seed)
+    chosen = [i for i, _ in prompts]
     done = ctx.store.load_items(task)
-    todo = []
-    for i in chosen:
-        key = f"item_{i:05d}"
-        if key in done:
-            continue
-        shots = fixed if fixed is not None else random.Random(ctx.seed * 1_000_003 + i).sample(train, cfg.fewshot)
-        todo.append((key, i, build_prompt(cfg, rows[i], shots)))
+    todo = [(f"item_{i:05d}", i, p) for i, p in prompts if f"item_{i:05d}" not in done]
     counters = subject.prefill_counters()
     t0, gen_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(chosen), initial=len(chosen) - len(todo), desc=task, unit="item", leave=False)
