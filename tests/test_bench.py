@@ -69,3 +69,17 @@ def test_bench_runs_quantized_kv_caches_beside_the_fp_cache(tmp_path, smollm2):
     assert r["qbench[k4v2]"]["kv"]["residual_bytes_per_sequence"] == 16 * 46080
     assert {"qbench[kv8]/qbench@1", "qbench[k4v2]/qbench@1"} <= set(report["ratios"])
     assert "KV B/token" in proc.stdout and "6480 (0.28x fp16)" in proc.stdout
+
+
+def test_a_case_whose_process_dies_is_reported_not_waited_on_forever():
+    # llama-cpp-python built for AMX segfaults on some VMs; multiprocessing.Pool.apply would then hang
+    import signal
+
+    import pytest
+
+    from qbench.bench.runner import CaseCrashed, machine, run_isolated
+    assert run_isolated(abs, -3) == 3
+    with pytest.raises(CaseCrashed, match=f"signal {int(signal.SIGSEGV)}"):
+        run_isolated(signal.raise_signal, signal.SIGSEGV)
+    m = machine()
+    assert m["threads"] >= 1 and isinstance(m["cpu_flags"], list)

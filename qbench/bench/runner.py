@@ -222,22 +222,62 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     cases, skipped = plan(cfg)
     for s in skipped:
         log(f"skipping {s}")
-    ctx = mp.get_context("spawn")
     results = []
     for i, case in enumerate(cases, 1):
         log(f"[{i}/{len(cases)}] {case['label']} batch {case['batch']} ...")
-        with ctx.Pool(1) as pool:
-            results.append(pool.apply(run_case, (case,)))
+        try:
+            results.append(run_isolated(run_case, case))
+        except CaseCrashed as e:
+            if case["backend"] != "llama.cpp":
+                raise QBenchError(f"bench: {case['label']} batch {case['batch']}: {e}") from None
+            # a peer that cannot run here is reported, not fatal: qbench's own rows still stand
+            skipped.append(f"{case['label']} batch {case['batch']}: {e}")
+            log(f"skipping {skipped[-1]}")
     _agreement(results)
     return {
         "config": asdict(cfg),
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
+        "machine": machine(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "skipped": skipped,
         "results": results,
         "ratios": ratios(results),
     }
+
+
+class CaseCrashed(RuntimeError):
+    pass
+
+
+def run_isolated(fn, case: dict) -> dict:
+    """fn(case) in a fresh spawned process. A process that dies (a peer's native code segfaulting,
+    say) raises CaseCrashed instead of hanging, as multiprocessing.Pool.apply would."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        future = pool.submit(fn, case)
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            codes = [p.exitcode for p in (pool._processes or {}).values()]
+            how = next((f"signal {-c}" for c in codes if c is not None and c < 0), "an abrupt exit")
+            raise CaseCrashed(f"the process running it died ({how})") from None
+
+
+def machine() -> dict:
+    """What ran the bench: speed ratios only transfer between machines with the same features."""
+    import torch
+
+    cpu, flags = platform.processor() or platform.machine(), []
+    try:
+        info = open("/proc/cpuinfo").read()
+        cpu = next(l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name"))
+        have = set(next(l for l in info.splitlines() if l.startswith("flags")).split())
+        flags = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+                 if f in have]
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cpu_flags": flags, "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def _agreement(results: list[dict]) -> None:

@@ -18,6 +18,9 @@ def render_table(report: dict) -> str:
     cfg = report["config"]
     head = (f"qbench bench  model={cfg['model']}  dtype={cfg['dtype']}  prompt={cfg['prompt_len']}  "
             f"gen={cfg['gen_len']}  threads={report['machine']['threads']}")
+    m = report["machine"]
+    if m.get("cpu_flags") is not None:
+        head += f"\ncpu: {m['cpu']} ({' '.join(m['cpu_flags'])})"
     cols = ["backend", "batch", "prefill tok/s", "decode tok/s", "step p50 ms", "step ms by quarter",
             "weights MiB", "KV B/token", "KV MiB used/reserved", "peak RSS MiB", "greedy=hf"]
     rows = []

@@ -27,6 +27,7 @@ static inline __attribute__((always_inline)) void tile_mt(const int MT, const fl
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (long k = 0; k < K; k++) {
+        PREFETCH(w + k * PANEL);
         __m256 w0 = _mm256_loadu_ps(w + k * PANEL), w1 = _mm256_loadu_ps(w + k * PANEL + 8);
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
     }

@@ -26,6 +26,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int MT, const fl
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (long k = 0; k < K; k++) {
+        if ((k & 3) == 0) PREFETCH(w + k * PANEL);
         __m128i b = _mm_loadu_si128((const __m128i *)(w + k * PANEL));
         __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
         __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
@@ -58,6 +59,7 @@ static inline __attribute__((always_inline)) void tile_i8_small(const int MT, co
     long k = 0;
     for (; k + 2 <= K; k += 2) {
         __m256 wa0, wa1, wb0, wb1;
+        if ((k & 3) == 0) PREFETCH(w + k * PANEL);
         unpack16_i8(w + k * PANEL, &wa0, &wa1);
         unpack16_i8(w + (k + 1) * PANEL, &wb0, &wb1);
         ROW8U(0) ROW8U(1)
@@ -147,6 +149,7 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
         long k1 = (gi + 1) * G < K2 ? (gi + 1) * G : K2;
         for (long k = gi * G; k < k1; k += 2) {
             __m256i wlo, whi;
+            if ((k & 7) == 0) PREFETCH(w + k * (PANEL / 2));  /* one 64-byte line per 4 k-pairs */
             unpack_pair(w + k * (PANEL / 2), &wlo, &whi);
             ROWQ(0) ROWQ(1) ROWQ(2) ROWQ(3) ROWQ(4) ROWQ(5)
         }
