@@ -33,6 +33,24 @@ def test_fast_paths_match_the_reference(impl, scheme, N, K, M):
     assert (got - ref).abs().max() <= tol
 
 
+@pytest.mark.skipif(not build.available() or build.load().qb_isa() != 512, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("group,sym", [(32, True), (64, False), (128, True), (128, False)])
+@pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536), (24, 77), (16, 130)])
+def test_the_avx512_int4_path_is_bit_identical_to_the_avx2_path(group, sym, N, K):
+    # both sum a group's int16 x int4 products exactly in int32 and close it with the same float ops
+    g = torch.Generator().manual_seed(N * K + group)
+    lin = make_qlinear(quantize_int4(torch.randn(N, K, generator=g), group, sym), None, "native")
+    lib = build.load()
+    for M in (1, 2, 5, 7, 13):
+        x = torch.randn(M, K, generator=g)
+        try:
+            lib.qb_set_isa(256)
+            narrow = lin(x)
+        finally:
+            lib.qb_set_isa(512)
+        assert torch.equal(lin(x), narrow)
+
+
 def test_group_scale_is_applied_once_per_group_in_the_kernel_layout():
     q = quantize_int4(torch.randn(32, 256), 64)
     lin = make_qlinear(q, None, "native" if build.available() else "aten")

@@ -68,10 +68,12 @@ def load() -> ctypes.CDLL | None:
         "qb_paged_attention": [P] * 7 + [L] * 8 + [F, I],
         "qb_gemm_i8": [P] * 4 + [L] * 3 + [I],
         "qb_gemm_i4": [P] * 5 + [L] * 4 + [I],
+        "qb_set_isa": [I],
     }
     for name, args in signatures.items():
         fn = getattr(dll, name)
         fn.restype, fn.argtypes = None, args
+    dll.qb_isa.restype, dll.qb_isa.argtypes = ctypes.c_int, []
     return dll
 
 

@@ -117,7 +117,8 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
  *   y += s_w * s_x * (sum_k x16_k u_k - z * sum_k x16_k).
  * Layout: panel p, k-pair j: 16 bytes; byte 2c + t = code(2j + t, c) | code(2j + t, c + 8) << 4,
  * so a 16-byte load, a mask and a shift give the codes of columns 0-7 and 8-15, already paired
- * by k for madd.
+ * by k for madd. K is padded to K4, a multiple of 4, with zero codes that meet zero activations,
+ * so the AVX-512 path below can always take two pairs at a time.
  */
 static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
     const __m128i mask = _mm_set1_epi8(0x0F);
@@ -126,7 +127,7 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
     *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
 }
 
-#define ROWQ(i) if (MT > i) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K2 + k));  \
+#define ROWQ(i) if (MT > i) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K4 + k));  \
                               a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(wlo, xp));       \
                               a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(whi, xp)); }
 #define CLOSEQ(i) if (MT > i) {                                                                      \
@@ -140,13 +141,13 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
 
 static inline __attribute__((always_inline)) void tile_i4q(const int MT, const int16_t *x16, const float *sx16,
                                                           const int32_t *xs16, const uint8_t *w,
-                                                          const uint16_t *sc, const uint8_t *zp, long K2, long G,
+                                                          const uint16_t *sc, const uint8_t *zp, long K4, long G,
                                                           long ngroups, float *y, long N, long nvalid) {
     float acc[6 * PANEL] = {0};
     for (long gi = 0; gi < ngroups; gi++) {
         __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
                 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-        long k1 = (gi + 1) * G < K2 ? (gi + 1) * G : K2;
+        long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
         for (long k = gi * G; k < k1; k += 2) {
             __m256i wlo, whi;
             if ((k & 7) == 0) PREFETCH(w + k * (PANEL / 2));  /* one 64-byte line per 4 k-pairs */
@@ -163,18 +164,121 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
         store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
 }
 
-/* x (M, K) fp32; wp (P, K2 / 2, 16) uint8 with K2 = K rounded up to even; scales (P, ngroups, 16) fp16;
- * zeros (P, ngroups, 16) uint8; y (M, N). */
+/* The same INT4 math on AVX-512 VNNI: vpdpwssd multiplies and accumulates in one instruction, and
+ * a zmm register takes two k-pairs at once. The 32-byte load of pairs j and j + 1 unpacks to
+ * [pair j | pair j + 1] for columns 0-7 (low nibbles) and 8-15 (high nibbles); the activations
+ * are laid out to match, 8 copies of pair j then 8 of pair j + 1 per 64 bytes (xq below), so one
+ * memory operand serves both. A group's two halves are added in int32 before it is closed, so
+ * the result is bit-identical to the AVX2 path. */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+#define ROWZ(i) if (MT > i) { __m512i xv = _mm512_loadu_si512(xq + i * ldq + (k >> 2) * 16);           \
+                              a##i##0 = _mm512_dpwssd_epi32(a##i##0, wlo, xv);                          \
+                              a##i##1 = _mm512_dpwssd_epi32(a##i##1, whi, xv); }
+#define HALVES(a) _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1))
+#define CLOSEZ(i) if (MT > i) {                                                                      \
+        __m256i zs = _mm256_set1_epi32(xs16[i * ngroups + gi]);                                      \
+        __m256 sx = _mm256_set1_ps(sx16[i * ngroups + gi]);                                          \
+        __m256 d0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(HALVES(a##i##0), _mm256_mullo_epi32(z0, zs))); \
+        __m256 d1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(HALVES(a##i##1), _mm256_mullo_epi32(z1, zs))); \
+        float *yr = acc + i * PANEL;                                                                 \
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));       \
+        _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
+
+static inline AVX512 __attribute__((always_inline)) void tile_i4z(const int MT, const int32_t *xq, long ldq,
+                                                                const float *sx16, const int32_t *xs16,
+                                                                const uint8_t *w, const uint16_t *sc,
+                                                                const uint8_t *zp, long K4, long G, long ngroups,
+                                                                float *y, long N, long nvalid) {
+    float acc[6 * PANEL] = {0};
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (long gi = 0; gi < ngroups; gi++) {
+        __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+                a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+        long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
+        for (long k = gi * G; k < k1; k += 4) {
+            if ((k & 7) == 0) PREFETCH(w + k * (PANEL / 2));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2)));
+            __m512i wlo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, mask));
+            __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+            ROWZ(0) ROWZ(1) ROWZ(2) ROWZ(3) ROWZ(4) ROWZ(5)
+        }
+        __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
+        __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));
+        __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
+        __m256i z0 = _mm256_cvtepu8_epi32(zb), z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8));
+        CLOSEZ(0) CLOSEZ(1) CLOSEZ(2) CLOSEZ(3) CLOSEZ(4) CLOSEZ(5)
+    }
+    for (int i = 0; i < MT; i++)
+        store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
+}
+
+static AVX512 void panel_i4z(long M, const int32_t *xq, long ldq, const float *sx16, const int32_t *xs16,
+                             const uint8_t *w, const uint16_t *sc, const uint8_t *zp, long K4, long G,
+                             long ngroups, float *y, long N, long nvalid) {
+    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
+        const int32_t *xm = xq + m0 * ldq;
+        const float *sm = sx16 + m0 * ngroups;
+        const int32_t *xsm = xs16 + m0 * ngroups;
+        float *ym = y + m0 * N;
+        switch (tile_rows(M, t)) {
+            case 6: tile_i4z(6, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 5: tile_i4z(5, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 4: tile_i4z(4, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 3: tile_i4z(3, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 2: tile_i4z(2, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            default: tile_i4z(1, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+        }
+    }
+}
+
+static void panel_i4q(long M, const int16_t *x16, const float *sx16, const int32_t *xs16, const uint8_t *w,
+                      const uint16_t *sc, const uint8_t *zp, long K4, long G, long ngroups, float *y, long N,
+                      long nvalid) {
+    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
+        const int16_t *xm = x16 + m0 * K4;
+        const float *sm = sx16 + m0 * ngroups;
+        const int32_t *xsm = xs16 + m0 * ngroups;
+        float *ym = y + m0 * N;
+        switch (tile_rows(M, t)) {
+            case 6: tile_i4q(6, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 5: tile_i4q(5, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 4: tile_i4q(4, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 3: tile_i4q(3, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            case 2: tile_i4q(2, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+            default: tile_i4q(1, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
+        }
+    }
+}
+
+/* -1 until first use; qb_set_isa(0) forces AVX2 (tests compare the two paths bit for bit). */
+static int use_avx512 = -1;
+
+void qb_set_isa(int level) { use_avx512 = level >= 512; }
+
+int qb_isa(void) {
+    if (use_avx512 < 0) {
+        __builtin_cpu_init();
+        use_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return use_avx512 ? 512 : 256;
+}
+
+/* x (M, K) fp32; wp (P, K4 / 2, 16) uint8 with K4 = K rounded up to a multiple of 4; scales (P, ngroups, 16)
+ * fp16; zeros (P, ngroups, 16) uint8; y (M, N). */
 void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros,
                 float *y, long M, long K, long N, long G, int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
     long ngroups = (K + G - 1) / G;
-    long K2 = K + (K & 1);
-    int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * M * K2 + 16);
+    long K4 = (K + 3) & ~3L;
+    int wide = qb_isa() == 512;
+    int16_t *x16 = (int16_t *)calloc(M * K4 + 16, sizeof(int16_t));
     float *sx16 = (float *)malloc(sizeof(float) * M * ngroups + 16);
     int32_t *xs16 = (int32_t *)malloc(sizeof(int32_t) * M * ngroups + 16);
+    long ldq = K4 * 4;  /* int32 per row of xq: 16 per 4 k */
+    int32_t *xq = wide ? (int32_t *)malloc(sizeof(int32_t) * M * ldq + 64) : NULL;
     for (long m = 0; m < M; m++) {
-        if (K2 != K) x16[m * K2 + K] = 0;
         for (long gi = 0; gi < ngroups; gi++) {
             long k0 = gi * G, k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
             float amax = 0.0f;
@@ -183,35 +287,29 @@ void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const
             int32_t sum = 0;
             for (long k = k0; k < k1; k++) {
                 int16_t q = (int16_t)lrintf(x[m * K + k] * inv);
-                x16[m * K2 + k] = q;
+                x16[m * K4 + k] = q;
                 sum += q;
             }
             sx16[m * ngroups + gi] = s;
             xs16[m * ngroups + gi] = sum;
         }
+        if (wide) {
+            const int32_t *pairs = (const int32_t *)(x16 + m * K4);  /* pair j = (x[2j], x[2j+1]) */
+            for (long j = 0; j < K4 / 2; j++)
+                for (int c = 0; c < 8; c++) xq[m * ldq + (j >> 1) * 16 + (j & 1) * 8 + c] = pairs[j];
+        }
     }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
-        const uint8_t *w = wp + p * K2 * (PANEL / 2);
+        const uint8_t *w = wp + p * K4 * (PANEL / 2);
         const uint16_t *sc = scales + p * ngroups * PANEL;
         const uint8_t *zp = zeros + p * ngroups * PANEL;
         long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
-            const int16_t *xm = x16 + m0 * K2;
-            const float *sm = sx16 + m0 * ngroups;
-            const int32_t *xsm = xs16 + m0 * ngroups;
-            float *ym = y + m0 * N + n0;
-            switch (tile_rows(M, t)) {
-                case 6: tile_i4q(6, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
-                case 5: tile_i4q(5, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
-                case 4: tile_i4q(4, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
-                case 3: tile_i4q(3, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
-                case 2: tile_i4q(2, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
-                default: tile_i4q(1, xm, sm, xsm, w, sc, zp, K2, G, ngroups, ym, N, nvalid); break;
-            }
-        }
+        if (wide) panel_i4z(M, xq, ldq, sx16, xs16, w, sc, zp, K4, G, ngroups, y + n0, N, nvalid);
+        else panel_i4q(M, x16, sx16, xs16, w, sc, zp, K4, G, ngroups, y + n0, N, nvalid);
     }
     free(x16);
     free(sx16);
     free(xs16);
+    free(xq);
 }

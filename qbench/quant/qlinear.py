@@ -97,14 +97,14 @@ class Int4Linear(QuantLinear):
         ngroups = q.scale.shape[1]
         zero = q.zero if q.zero is not None else torch.full_like(q.scale, 8, dtype=torch.uint8)
         if self.impl == "native":
-            P, K2 = -(-N // PANEL), K + K % 2
+            P, K4 = -(-N // PANEL), -(-K // 4) * 4
             codes = _pad_rows(q.codes[:, :K], P * PANEL).view(P, PANEL, K).transpose(1, 2)  # (P, K, 16)
-            if K2 != K:  # the kernel reads k in pairs; the extra row meets a zero activation
-                codes = torch.cat([codes, codes.new_zeros(P, 1, PANEL)], dim=1)
-            nib = codes[..., :8] | (codes[..., 8:] << 4)  # (P, K2, 8): column c low, column c + 8 high
+            if K4 != K:  # the kernel reads k four at a time; the extra rows meet zero activations
+                codes = torch.cat([codes, codes.new_zeros(P, K4 - K, PANEL)], dim=1)
+            nib = codes[..., :8] | (codes[..., 8:] << 4)  # (P, K4, 8): column c low, column c + 8 high
             # pairs of k side by side per column, as _mm256_madd_epi16 consumes them
-            packed = nib.view(P, K2 // 2, 2, 8).transpose(2, 3).reshape(P, K2 // 2, 16)
-            self.register_buffer("panels", packed.contiguous())  # (P, K2 / 2, 16) uint8
+            packed = nib.view(P, K4 // 2, 2, 8).transpose(2, 3).reshape(P, K4 // 2, 16)
+            self.register_buffer("panels", packed.contiguous())  # (P, K4 / 2, 16) uint8
             sc = _pad_rows(q.scale, P * PANEL).view(P, PANEL, ngroups).transpose(1, 2)
             self.register_buffer("scales16", sc.contiguous().view(torch.int16))  # (P, ngroups, 16) fp16 bits
             zp = _pad_rows(zero, P * PANEL).view(P, PANEL, ngroups).transpose(1, 2)
