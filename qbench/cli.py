@@ -122,7 +122,7 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
 @click.option("--kv", "kvs", multiple=True,
               help="Also run MODEL with a quantized KV cache from this recipe (e.g. kv8, kv4; repeatable).")
 @click.option("--qlinear", default="native", show_default=True,
-              help="Low-bit kernels for the variants, comma list of native, aten, reference.")
+              help="Low-bit kernels for the variants, comma list of native, aten, aten-bf16, reference.")
 @click.option("--out", "out_path", type=click.Path(), help="Write the JSON report here.")
 @click.option("--workload", type=click.Choice(["gsm8k", "agent", "mixed"]),
               help="Replay a request stream instead: gsm8k (prefix cache off/on), agent (20 steps, growing "

@@ -7,7 +7,7 @@ from qbench.kernels import build
 from qbench.quant.primitives import dequantize, quantize_int4, quantize_int8
 from qbench.quant.qlinear import Int4Linear, make_qlinear
 
-IMPLS = ["native", "aten", "reference"] if build.available() else ["aten", "reference"]
+IMPLS = ["native", "aten", "aten-bf16", "reference"] if build.available() else ["aten", "aten-bf16", "reference"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -30,6 +30,8 @@ def test_fast_paths_match_the_reference(impl, scheme, N, K, M):
     tol = 2e-6 * K ** 0.5 * ref.abs().max() + 1e-5
     if impl == "native" and q.bits == 4:
         tol += 1.6e-5 * (dequantize(q).double().abs() @ x.double().abs().t()).max()
+    if impl == "aten-bf16":  # bf16 activations and scales: 8 bits of mantissa, relative error 2^-8 each
+        tol += 2 ** -7 * (dequantize(q).double().abs() @ x.double().abs().t()).max()
     assert (got - ref).abs().max() <= tol
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from qbench.errors import QBenchError
+from qbench.quant.qlinear import IMPLS
 
 BACKENDS = ("qbench", "hf", "hf-generate", "llama.cpp", "nocache")
 
@@ -39,8 +40,8 @@ class BenchConfig:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise QBenchError("bench: --batch-sizes must be positive integers, e.g. 1,4,8,16")
         for q in self.qlinear:
-            if q not in ("native", "aten", "reference"):
-                raise QBenchError(f"bench: --qlinear {q!r}; choose from native, aten, reference")
+            if q not in IMPLS:
+                raise QBenchError(f"bench: --qlinear {q!r}; choose from {', '.join(IMPLS)}")
         if self.prompt_len < 1 or self.gen_len < 2:
             raise QBenchError("bench: --prompt-len must be >= 1 and --gen-len >= 2")
         if self.kv and "qbench" not in self.backends:
@@ -217,7 +218,6 @@ def _variant_name(spec: str) -> str:
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
-    import torch
 
     cases, skipped = plan(cfg)
     for s in skipped:

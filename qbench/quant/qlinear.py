@@ -2,7 +2,8 @@
 
 Three implementations of the same math, chosen per module at construction:
 - ``native``: qbench's C kernels (``qbench/kernels/gemm_q.c``), fp32 activations;
-- ``aten``: torch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``;
+- ``aten``: torch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``, fp32 activations;
+- ``aten-bf16``: the same kernels fed bf16 activations (and bf16 scales), where torch says they are fast;
 - ``reference``: dequantize-then-matmul, the slow path every fast path is tested against.
 ``QBENCH_QLINEAR`` forces one; the default is ``native`` when the kernels built, else ``aten``.
 """
@@ -18,7 +19,7 @@ from qbench.kernels import build as kernels
 from qbench.quant.primitives import QTensor, dequantize, padded_width
 
 PANEL = 16
-IMPLS = ("native", "aten", "reference")
+IMPLS = ("native", "aten", "aten-bf16", "reference")
 
 
 def default_impl() -> str:
@@ -51,6 +52,10 @@ class QuantLinear(torch.nn.Module):
         if self.impl != "reference":
             self.q = None  # the kernel layout is all that runs; the artifact keeps the canonical codes
 
+    @property
+    def _act_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.impl == "aten-bf16" else torch.float32
+
     def _prepare(self) -> None:
         raise NotImplementedError
 
@@ -76,13 +81,18 @@ class Int8Linear(QuantLinear):
             codes = _pad_rows(self.q.codes, P * PANEL).view(P, PANEL, K)
             self.register_buffer("panels", codes.transpose(1, 2).contiguous())  # (P, K, 16) int8
             self.register_buffer("scale32", _pad_rows(self.q.scale.float(), P * PANEL).contiguous())
-        elif self.impl == "aten":
-            self.register_buffer("codes_nk", self.q.codes.contiguous())
-            self.register_buffer("scale32", self.q.scale.float().contiguous())
+        elif self.impl.startswith("aten"):
+            # torch 2.13's bf16 path reads past the row when K % 16 != 0 (garbage or NaN); zero columns
+            # that meet zero activations keep both paths exact
+            self.k_pad = -(-K // 16) * 16
+            self.register_buffer("codes_nk", F.pad(self.q.codes, (0, self.k_pad - K)).contiguous())
+            self.register_buffer("scale32", self.q.scale.to(self._act_dtype).contiguous())
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.impl == "aten":
-            return torch.ops.aten._weight_int8pack_mm(x2, self.codes_nk, self.scale32)
+        if self.impl.startswith("aten"):
+            if self.k_pad != self.in_features:
+                x2 = F.pad(x2, (0, self.k_pad - self.in_features))
+            return torch.ops.aten._weight_int8pack_mm(x2.to(self._act_dtype), self.codes_nk, self.scale32).float()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         kernels.load().qb_gemm_i8(x2.data_ptr(), self.panels.data_ptr(), self.scale32.data_ptr(), y.data_ptr(),
                                   x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
@@ -109,7 +119,7 @@ class Int4Linear(QuantLinear):
             self.register_buffer("scales16", sc.contiguous().view(torch.int16))  # (P, ngroups, 16) fp16 bits
             zp = _pad_rows(zero, P * PANEL).view(P, PANEL, ngroups).transpose(1, 2)
             self.register_buffer("zeros8", zp.contiguous())  # (P, ngroups, 16)
-        elif self.impl == "aten":
+        elif self.impl.startswith("aten"):
             # aten's int4 kernel computes (u - 8) * scale + offset per group: offset = (8 - z) * scale
             self.k_pad = padded_width(K, G)
             n16 = -(-N // PANEL) * PANEL  # the aten kernel needs N % 16 == 0
@@ -117,13 +127,15 @@ class Int4Linear(QuantLinear):
                 _pad_rows(q.codes.to(torch.int32), n16).contiguous(), 2))
             s = _pad_rows(q.scale.float(), n16)
             offset = (8.0 - _pad_rows(zero, n16).float()) * s
-            self.register_buffer("aten_sz", torch.stack([s.t(), offset.t()], -1).contiguous())  # (ngroups, N, 2)
+            sz = torch.stack([s.t(), offset.t()], -1).to(self._act_dtype)
+            self.register_buffer("aten_sz", sz.contiguous())  # (ngroups, N, 2)
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        if self.impl == "aten":
+        if self.impl.startswith("aten"):
             if self.k_pad != self.in_features:
                 x2 = F.pad(x2, (0, self.k_pad - self.in_features))
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.aten_packed, self.group_size, self.aten_sz)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self._act_dtype), self.aten_packed, self.group_size,
+                                                           self.aten_sz).float()
             return y[:, : self.out_features].contiguous() if y.shape[1] != self.out_features else y
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         kernels.load().qb_gemm_i4(x2.data_ptr(), self.panels.data_ptr(), self.scales16.data_ptr(),
