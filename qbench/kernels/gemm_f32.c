@@ -45,14 +45,7 @@ static void tile(const float *x, long ldx, const float *w, long K, const float *
         b0 = _mm256_loadu_ps(tmp);
         b1 = _mm256_loadu_ps(tmp + 8);
     }
-    switch (mt) {
-        case 6: tile_mt(6, x, ldx, w, K, b0, b1, y, ldy, nvalid); break;
-        case 5: tile_mt(5, x, ldx, w, K, b0, b1, y, ldy, nvalid); break;
-        case 4: tile_mt(4, x, ldx, w, K, b0, b1, y, ldy, nvalid); break;
-        case 3: tile_mt(3, x, ldx, w, K, b0, b1, y, ldy, nvalid); break;
-        case 2: tile_mt(2, x, ldx, w, K, b0, b1, y, ldy, nvalid); break;
-        default: tile_mt(1, x, ldx, w, K, b0, b1, y, ldy, nvalid); break;
-    }
+    SWITCH_ROWS(mt, tile_mt, x, ldx, w, K, b0, b1, y, ldy, nvalid)
 }
 
 /* x (M, K) row-major, wp (ceil(N/16), K, 16), bias (N) or NULL, y (M, N) row-major. */

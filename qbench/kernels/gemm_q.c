@@ -95,14 +95,7 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
             long mt = tile_rows(M, t);
             const float *xm = x + m0 * K;
             float *ym = y + m0 * N + n0;
-            switch (mt) {
-                case 6: tile_i8(6, xm, w, K, scale + n0, ym, N, nvalid); break;
-                case 5: tile_i8(5, xm, w, K, scale + n0, ym, N, nvalid); break;
-                case 4: tile_i8(4, xm, w, K, scale + n0, ym, N, nvalid); break;
-                case 3: tile_i8(3, xm, w, K, scale + n0, ym, N, nvalid); break;
-                case 2: tile_i8(2, xm, w, K, scale + n0, ym, N, nvalid); break;
-                default: tile_i8(1, xm, w, K, scale + n0, ym, N, nvalid); break;
-            }
+            SWITCH_ROWS(mt, tile_i8, xm, w, K, scale + n0, ym, N, nvalid)
         }
     }
 }
@@ -139,6 +132,16 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
         _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));       \
         _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
 
+/* One group's 16 fp16 weight scales and 16 zero points, widened for columns 0-7 and 8-15. */
+static inline __attribute__((always_inline)) void group_params(const uint16_t *sc, const uint8_t *zp, __m256 *s0,
+                                                              __m256 *s1, __m256i *z0, __m256i *z1) {
+    *s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
+    *s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8)));
+    __m128i zb = _mm_loadu_si128((const __m128i *)zp);
+    *z0 = _mm256_cvtepu8_epi32(zb);
+    *z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8));
+}
+
 static inline __attribute__((always_inline)) void tile_i4q(const int MT, const int16_t *x16, const float *sx16,
                                                           const int32_t *xs16, const uint8_t *w,
                                                           const uint16_t *sc, const uint8_t *zp, long K4, long G,
@@ -154,10 +157,9 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
             unpack_pair(w + k * (PANEL / 2), &wlo, &whi);
             ROWQ(0) ROWQ(1) ROWQ(2) ROWQ(3) ROWQ(4) ROWQ(5)
         }
-        __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
-        __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));
-        __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
-        __m256i z0 = _mm256_cvtepu8_epi32(zb), z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8));
+        __m256 s0, s1;
+        __m256i z0, z1;
+        group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
         CLOSEQ(0) CLOSEQ(1) CLOSEQ(2) CLOSEQ(3) CLOSEQ(4) CLOSEQ(5)
     }
     for (int i = 0; i < MT; i++)
@@ -203,10 +205,9 @@ static inline AVX512 __attribute__((always_inline)) void tile_i4z(const int MT, 
             __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
             ROWZ(0) ROWZ(1) ROWZ(2) ROWZ(3) ROWZ(4) ROWZ(5)
         }
-        __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
-        __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));
-        __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
-        __m256i z0 = _mm256_cvtepu8_epi32(zb), z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8));
+        __m256 s0, s1;
+        __m256i z0, z1;
+        group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
         CLOSEZ(0) CLOSEZ(1) CLOSEZ(2) CLOSEZ(3) CLOSEZ(4) CLOSEZ(5)
     }
     for (int i = 0; i < MT; i++)
@@ -221,14 +222,7 @@ static AVX512 void panel_i4z(long M, const int32_t *xq, long ldq, const float *s
         const float *sm = sx16 + m0 * ngroups;
         const int32_t *xsm = xs16 + m0 * ngroups;
         float *ym = y + m0 * N;
-        switch (tile_rows(M, t)) {
-            case 6: tile_i4z(6, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 5: tile_i4z(5, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 4: tile_i4z(4, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 3: tile_i4z(3, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 2: tile_i4z(2, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            default: tile_i4z(1, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-        }
+        SWITCH_ROWS(tile_rows(M, t), tile_i4z, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid)
     }
 }
 
@@ -240,14 +234,7 @@ static void panel_i4q(long M, const int16_t *x16, const float *sx16, const int32
         const float *sm = sx16 + m0 * ngroups;
         const int32_t *xsm = xs16 + m0 * ngroups;
         float *ym = y + m0 * N;
-        switch (tile_rows(M, t)) {
-            case 6: tile_i4q(6, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 5: tile_i4q(5, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 4: tile_i4q(4, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 3: tile_i4q(3, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            case 2: tile_i4q(2, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-            default: tile_i4q(1, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid); break;
-        }
+        SWITCH_ROWS(tile_rows(M, t), tile_i4q, xm, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid)
     }
 }
 

@@ -26,3 +26,13 @@ static inline long tile_rows(long M, long t) {
  * in the panel stream roughly halved the INT4 decode GEMMs' time on a 2-core Xeon. */
 #define PF_DIST 4096
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + PF_DIST, _MM_HINT_T0)
+
+/* fn(MT, args...) with MT a compile-time constant from 1 to 6, so each tile inlines with its own row count. */
+#define SWITCH_ROWS(mt, fn, ...) switch (mt) {                                                       \
+        case 6: fn(6, __VA_ARGS__); break;                                                           \
+        case 5: fn(5, __VA_ARGS__); break;                                                           \
+        case 4: fn(4, __VA_ARGS__); break;                                                           \
+        case 3: fn(3, __VA_ARGS__); break;                                                           \
+        case 2: fn(2, __VA_ARGS__); break;                                                           \
+        default: fn(1, __VA_ARGS__); break;                                                          \
+    }
