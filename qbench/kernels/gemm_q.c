@@ -132,6 +132,12 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
         _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));       \
         _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
 
+/* The (MT, 16) fp32 sums of a tile's groups -> its rows of y. */
+static inline void store_acc(const float *acc, int MT, float *y, long N, long nvalid) {
+    for (int i = 0; i < MT; i++)
+        store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
+}
+
 /* One group's 16 fp16 weight scales and 16 zero points, widened for columns 0-7 and 8-15. */
 static inline __attribute__((always_inline)) void group_params(const uint16_t *sc, const uint8_t *zp, __m256 *s0,
                                                               __m256 *s1, __m256i *z0, __m256i *z1) {
@@ -162,8 +168,7 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
         group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
         CLOSEQ(0) CLOSEQ(1) CLOSEQ(2) CLOSEQ(3) CLOSEQ(4) CLOSEQ(5)
     }
-    for (int i = 0; i < MT; i++)
-        store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
+    store_acc(acc, MT, y, N, nvalid);
 }
 
 /* The same INT4 math on AVX-512 VNNI: vpdpwssd multiplies and accumulates in one instruction, and
@@ -210,8 +215,7 @@ static inline AVX512 __attribute__((always_inline)) void tile_i4z(const int MT, 
         group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
         CLOSEZ(0) CLOSEZ(1) CLOSEZ(2) CLOSEZ(3) CLOSEZ(4) CLOSEZ(5)
     }
-    for (int i = 0; i < MT; i++)
-        store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
+    store_acc(acc, MT, y, N, nvalid);
 }
 
 static AVX512 void panel_i4z(long M, const int32_t *xq, long ldq, const float *sx16, const int32_t *xs16,
