@@ -79,6 +79,8 @@ def test_a_case_whose_process_dies_is_reported_not_waited_on_forever():
 
     from qbench.bench.runner import CaseCrashed, machine, run_isolated
     assert run_isolated(abs, -3) == 3
+    with pytest.raises(TypeError):  # an exception in the case is raised in the parent
+        run_isolated(abs, "x")
     with pytest.raises(CaseCrashed, match=f"signal {int(signal.SIGSEGV)}"):
         run_isolated(signal.raise_signal, signal.SIGSEGV)
     m = machine()

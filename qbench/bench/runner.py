@@ -218,7 +218,6 @@ def _variant_name(spec: str) -> str:
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
-
     cases, skipped = plan(cfg)
     for s in skipped:
         log(f"skipping {s}")
@@ -249,19 +248,31 @@ class CaseCrashed(RuntimeError):
 
 
 def run_isolated(fn, case: dict) -> dict:
-    """fn(case) in a fresh spawned process. A process that dies (a peer's native code segfaulting,
-    say) raises CaseCrashed instead of hanging, as multiprocessing.Pool.apply would."""
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
+    """fn(case) in a fresh spawned process; its exception is raised here. A process that dies (a peer's
+    native code segfaulting, say) raises CaseCrashed instead of hanging, as multiprocessing.Pool.apply would."""
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(fn, case, send))
+    proc.start()
+    send.close()  # only the child holds the write end now, so its death ends recv() with EOFError
+    try:
+        ok, value = recv.recv()
+    except EOFError:
+        proc.join()
+        code = proc.exitcode
+        raise CaseCrashed("the process running it died (" + (f"signal {-code}" if code and code < 0 else
+                                                              f"exit code {code}") + ")") from None
+    proc.join()
+    if not ok:
+        raise value
+    return value
 
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        future = pool.submit(fn, case)
-        try:
-            return future.result()
-        except BrokenProcessPool:
-            codes = [p.exitcode for p in (pool._processes or {}).values()]
-            how = next((f"signal {-c}" for c in codes if c is not None and c < 0), "an abrupt exit")
-            raise CaseCrashed(f"the process running it died ({how})") from None
+
+def _child(fn, case, conn) -> None:
+    try:
+        conn.send((True, fn(case)))
+    except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
+        conn.send((False, e))
 
 
 def machine() -> dict:

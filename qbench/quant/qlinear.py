@@ -1,6 +1,6 @@
 """Thin runtime modules that hold integer weights as buffers and only do forward.
 
-Three implementations of the same math, chosen per module at construction:
+Four implementations of the same math, chosen per module at construction:
 - ``native``: qbench's C kernels (``qbench/kernels/gemm_q.c``), fp32 activations;
 - ``aten``: torch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``, fp32 activations;
 - ``aten-bf16``: the same kernels fed bf16 activations (and bf16 scales), where torch says they are fast;
