@@ -1,6 +1,6 @@
 """The dense linear layer that quantized layers replace.
 
-On this class of CPU (2 cores, AVX2, no AVX-512) MKL's small-M GEMM reads a (out, in)
+On the 2-core AVX2 EPYC qbench was first measured on, MKL's small-M GEMM reads a (out, in)
 weight at well under half the memory bandwidth. qbench keeps fp32 weights packed in
 16-column panels for its own kernel (``qbench.kernels``), which streams them once per
 decode step; without that kernel it keeps them input-major, (in, out), for oneDNN,
