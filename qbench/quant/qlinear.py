@@ -56,6 +56,12 @@ class QuantLinear(torch.nn.Module):
     def _act_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.impl == "aten-bf16" else torch.float32
 
+    def _aten_input(self, x2: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, k_pad) in the activation dtype torch's kernel is fed; the padded columns meet zero weights."""
+        if self.k_pad != self.in_features:
+            x2 = F.pad(x2, (0, self.k_pad - self.in_features))
+        return x2.to(self._act_dtype)
+
     def _prepare(self) -> None:
         raise NotImplementedError
 
@@ -90,9 +96,7 @@ class Int8Linear(QuantLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.impl.startswith("aten"):
-            if self.k_pad != self.in_features:
-                x2 = F.pad(x2, (0, self.k_pad - self.in_features))
-            return torch.ops.aten._weight_int8pack_mm(x2.to(self._act_dtype), self.codes_nk, self.scale32).float()
+            return torch.ops.aten._weight_int8pack_mm(self._aten_input(x2), self.codes_nk, self.scale32).float()
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         kernels.load().qb_gemm_i8(x2.data_ptr(), self.panels.data_ptr(), self.scale32.data_ptr(), y.data_ptr(),
                                   x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
@@ -132,9 +136,7 @@ class Int4Linear(QuantLinear):
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.impl.startswith("aten"):
-            if self.k_pad != self.in_features:
-                x2 = F.pad(x2, (0, self.k_pad - self.in_features))
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self._act_dtype), self.aten_packed, self.group_size,
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._aten_input(x2), self.aten_packed, self.group_size,
                                                            self.aten_sz).float()
             return y[:, : self.out_features].contiguous() if y.shape[1] != self.out_features else y
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
