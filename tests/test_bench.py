@@ -77,7 +77,8 @@ def test_a_case_whose_process_dies_is_reported_not_waited_on_forever():
 
     import pytest
 
-    from qbench.bench.runner import CaseCrashed, machine, run_isolated
+    from qbench.bench.runner import CaseCrashed, run_isolated
+    from qbench.kernels.build import cpu_supports, machine
     assert run_isolated(abs, -3) == 3
     with pytest.raises(TypeError):  # an exception in the case is raised in the parent
         run_isolated(abs, "x")
@@ -85,3 +86,4 @@ def test_a_case_whose_process_dies_is_reported_not_waited_on_forever():
         run_isolated(signal.raise_signal, signal.SIGSEGV)
     m = machine()
     assert m["threads"] >= 1 and isinstance(m["cpu_flags"], list)
+    assert cpu_supports() == ({"avx2", "fma", "f16c"} <= set(m["cpu_flags"]))

@@ -8,13 +8,13 @@ memory paradox). Weight and KV bytes are counted from the tensors themselves.
 from __future__ import annotations
 
 import multiprocessing as mp
-import platform
 import resource
 import statistics
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from qbench.errors import QBenchError
+from qbench.kernels.build import machine
 from qbench.quant.qlinear import IMPLS
 
 BACKENDS = ("qbench", "hf", "hf-generate", "llama.cpp", "nocache")
@@ -273,22 +273,6 @@ def _child(fn, case, conn) -> None:
         conn.send((True, fn(case)))
     except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
         conn.send((False, e))
-
-
-def machine() -> dict:
-    """What ran the bench: speed ratios only transfer between machines with the same features."""
-    import torch
-
-    cpu, flags = platform.processor() or platform.machine(), []
-    try:
-        info = open("/proc/cpuinfo").read()
-        cpu = next(l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name"))
-        have = set(next(l for l in info.splitlines() if l.startswith("flags")).split())
-        flags = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
-                 if f in have]
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpu_flags": flags, "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
 def _agreement(results: list[dict]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from qbench.errors import QBenchError
 from qbench.evals.invariance import compare_runs, same_subject
 from qbench.evals.store import RunStore
 from qbench.evals.suite import Suite, load_suite
+from qbench.kernels.build import machine
 from qbench.paths import atomic_write_text
 
 
@@ -111,8 +111,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
         seed_everything(suite.seed)
         results[name] = TASKS[name].run(subject, cfg, ctx)
     record = dict(header, tasks=results, versions=versions(), seconds=time.perf_counter() - t0,
-                  machine={"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                           "processes": dist.world},
+                  machine=dict(machine(), processes=dist.world),
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     if not dist.main:
         return record

@@ -22,12 +22,34 @@ SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
-def cpu_supports() -> bool:
+@lru_cache(maxsize=1)
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) from /proc/cpuinfo; (platform's processor, no flags) where it is absent."""
+    import platform
+
+    fields: dict[str, str] = {}
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():  # one block per core; the first one serves
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return False
-    return all(f" {f}" in flags for f in ("avx2", "fma", "f16c"))
+        pass
+    return (fields.get("model name") or platform.processor() or platform.machine(),
+            frozenset(fields.get("flags", "").split()))
+
+
+def cpu_supports() -> bool:
+    return {"avx2", "fma", "f16c"} <= cpu_info()[1]
+
+
+def machine() -> dict:
+    """What a measurement ran on: speed figures only carry over between machines with the same CPU features."""
+    import torch
+
+    name, flags = cpu_info()
+    shown = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+    return {"cpu": name, "cpu_flags": [f for f in shown if f in flags], "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
 
 
 def disabled() -> bool:
