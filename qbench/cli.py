@@ -184,7 +184,8 @@ def quantize(model, recipe, out_dir, calibration_samples):
                      calibration_samples=calibration_samples)
     size = m["size"]
     click.echo(f"wrote {out_dir}: {size['artifact_tensor_bytes'] / 2**20:.1f} MiB of tensors, "
-               f"{size['bits_per_weight']:.3f} bits per quantized weight")
+               f"{size['bits_per_weight_all']:.3f} bits per weight over all tensors "
+               f"({size['bits_per_weight']:.3f} over the quantized ones)")
 
 
 @cli.command()

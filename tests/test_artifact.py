@@ -43,6 +43,11 @@ def test_artifact_roundtrip_matches_the_reference_path(tiny_models, tmp_path, fa
     assert manifest["scheme"]["bits"] == (8 if recipe == "w8" else 4)
 
 
+def _tiny_state(folder):
+    from safetensors.torch import load_file
+    return load_file(str(folder / "model.safetensors"))
+
+
 def test_manifest_records_what_the_issue_asks(tiny_models, tmp_path):
     folder, _ = tiny_models["llama"]
     out = tmp_path / "a"
@@ -58,7 +63,12 @@ def test_manifest_records_what_the_issue_asks(tiny_models, tmp_path):
                                                           (v["shape"] for v in m["quantized"].values())))
     q_proj = m["quantized"]["model.layers.0.self_attn.q_proj"]
     assert q_proj["bytes"] * 8 / (q_proj["shape"][0] * q_proj["shape"][1]) == 4.25  # K = 64: no padding
-    assert m["size"]["artifact_tensor_bytes"] == m["size"]["quantized_weight_bytes"] + m["size"]["fp_tensor_bytes"]
+    assert m["size"]["artifact_tensor_bytes"] == m["size"]["quantized_weight_bytes"] + m["size"]["other_tensor_bytes"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert m["size"]["artifact_tensor_bytes"] == sum(f.get_tensor(k).nbytes for k in f.keys())
+    src_params = sum(t.numel() for t in _tiny_state(folder).values())
+    assert m["size"]["parameters"] == src_params
+    assert m["size"]["bits_per_weight_all"] == pytest.approx(8 * m["size"]["artifact_tensor_bytes"] / src_params)
     assert all("weight_rel_error" in rec for rec in m["layers"])
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         meta = f.metadata()
@@ -98,7 +108,7 @@ def test_lm_head_can_be_quantized_and_the_embedding_stays_fp(tiny_models, tmp_pa
     run_quantize(str(folder), str(recipe), tmp_path / "h", log=lambda s: None)
     model, m = load_artifact(tmp_path / "h")
     assert "lm_head" in m["quantized"] and isinstance(model.lm_head, QuantLinear)
-    assert model.embed_tokens is not None and model.embed_tokens.dtype == torch.float32
+    assert model.embed_tokens is not None and model.embed_tokens.weight.dtype == torch.float32
 
 
 @pytest.fixture(scope="module")

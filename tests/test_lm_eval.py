@@ -89,18 +89,20 @@ def test_generate_until_cuts_at_the_stop_strings(lm):
         lm.generate_until([_req("generate_until", "x", {"until": [], "num_beams": 4})], disable_tqdm=True)
 
 
-def _suite(tmp_path, n: int, max_new: int):
+def _suite(tmp_path, n: int, max_new: int, chat: bool = False):
     suite = tmp_path / "suite.yaml"
-    suite.write_text(f"name: l\nseed: 5\nbatch_size: 4\ntasks:\n  gsm8k_cot: {{limit: {n}, max_new_tokens: {max_new}}}\n")
+    suite.write_text(f"name: l\nseed: 5\nbatch_size: 4\ntasks:\n  gsm8k_cot: {{limit: {n}, max_new_tokens: {max_new}, "
+                     f"chat: {str(chat).lower()}}}\n")
     return suite
 
 
-def _lm_eval_gsm8k(indices: list[int], max_new: int, batch_size: int = 4) -> tuple[dict, list[dict]]:
+def _lm_eval_gsm8k(indices: list[int], max_new: int, batch_size: int = 4, chat: bool = False) -> tuple[dict, list[dict]]:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     res = simple_evaluate(model="qbench", model_args={"pretrained": SMOL}, tasks=["gsm8k_cot_local"],
                           task_manager=TaskManager(include_path=TASKS), samples={"gsm8k_cot_local": indices},
-                          batch_size=batch_size, gen_kwargs={"max_gen_toks": max_new}, log_samples=True)
+                          batch_size=batch_size, gen_kwargs={"max_gen_toks": max_new}, log_samples=True,
+                          apply_chat_template=chat, fewshot_as_multiturn=chat)
     return res["results"]["gsm8k_cot_local"], res["samples"]["gsm8k_cot_local"]
 
 
@@ -119,9 +121,9 @@ def _compare(ours: list[dict], theirs: list[dict], summary: dict, ours_summary: 
     assert summary["exact_match,flexible-extract"] == ours_summary["flexible"]["accuracy"]
 
 
-def _ours(tmp_path, n, max_new):
+def _ours(tmp_path, n, max_new, chat=False):
     from qbench.evals.run import run_eval
-    rec = run_eval(SMOL, str(_suite(tmp_path, n, max_new)), tmp_path / "run", log=lambda m: None)
+    rec = run_eval(SMOL, str(_suite(tmp_path, n, max_new, chat)), tmp_path / "run", log=lambda m: None)
     items = [json.loads(x) for x in (tmp_path / "run" / "items" / "gsm8k_cot.jsonl").read_text().splitlines()]
     return rec["tasks"]["gsm8k_cot"], items
 
@@ -129,6 +131,18 @@ def _ours(tmp_path, n, max_new):
 def test_lm_evals_gsm8k_equals_qbenchs_own_on_the_same_items(tmp_path, smollm2):
     summary_ours, items = _ours(tmp_path, 4, 64)
     summary, samples = _lm_eval_gsm8k(sorted(r["index"] for r in items), 64)
+    _compare(items, samples, summary, summary_ours)
+
+
+def test_the_chat_format_equals_lm_evals_apply_chat_template_with_fewshot_as_multiturn(tmp_path, smollm2):
+    """An instruct model is asked in its chat format: the 8 exemplars as user/assistant turns. The rendered
+    prompts, the generations and the scores must equal lm-eval's --apply_chat_template --fewshot_as_multiturn."""
+    summary_ours, items = _ours(tmp_path, 3, 48, chat=True)
+    assert summary_ours["prompt_format"] == "chat template, few-shot as multi-turn"
+    first = items[0]["prompt"]
+    assert first.count("<|im_start|>user") == 9 and first.count("<|im_start|>assistant") == 9  # 8 shots + the item
+    assert first.endswith("<|im_start|>assistant\n") and "\n\nQ:" not in first
+    summary, samples = _lm_eval_gsm8k(sorted(r["index"] for r in items), 48, chat=True)
     _compare(items, samples, summary, summary_ours)
 
 

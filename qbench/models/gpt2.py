@@ -40,6 +40,8 @@ class GPT2Block(torch.nn.Module):
 
 
 class GPT2Model(CausalLM):
+    embed_attr, embed_hf = "wte", "transformer.wte"
+
     def __init__(self, cfg: ModelConfig, tensors, where: str, factory=None):
         super().__init__()
         self.config = cfg
@@ -48,20 +50,19 @@ class GPT2Model(CausalLM):
         self.wpe = torch.nn.Parameter(w.get("wpe.weight", (cfg.max_positions, H)), requires_grad=False)
         self.blocks = torch.nn.ModuleList(GPT2Block(cfg, w, i) for i in range(cfg.num_layers))
         self.final_norm = LayerNorm(w.get("ln_f.weight", (H,)), w.get("ln_f.bias", (H,)), cfg.norm_eps)
-        wte = w.get("wte.weight", (V, H))
         if w.is_quantized("lm_head"):
             self.lm_head = w.linear(["lm_head"], [(V, H)])
-            self.wte = torch.nn.Parameter(wte, requires_grad=False)
+            self.wte = w.embedding("wte", (V, H), self.final_norm.weight.dtype) if w.has_linear("wte") else None
         else:
-            self.lm_head = Linear(wte)  # tied: also the token embedding
+            self.lm_head = Linear(w.get("wte.weight", (V, H)))  # tied: also the token embedding
             self.wte = None
 
-    def untie(self, embedding: torch.Tensor) -> None:
-        if self.wte is None:
-            self.wte = torch.nn.Parameter(embedding.clone(), requires_grad=False)
+    def untie(self, embedding: torch.nn.Module) -> None:
+        """Give the model its own embedding module (a quantizer replacing the tied head, say)."""
+        self.wte = embedding
 
     def embed(self, input_ids, positions):
-        tok = self.embed_from_head(input_ids) if self.wte is None else self.wte[input_ids]
+        tok = self.embed_from_head(input_ids) if self.wte is None else self.wte(input_ids)
         return tok + self.wpe[positions]
 
     def linear_map(self) -> list[tuple[str, list[tuple[str, int]]]]:

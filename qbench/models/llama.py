@@ -59,31 +59,34 @@ class LlamaBlock(torch.nn.Module):
 
 
 class LlamaModel(CausalLM):
+    embed_attr, embed_hf = "embed_tokens", "model.embed_tokens"
+
     def __init__(self, cfg: ModelConfig, tensors, where: str, factory=None):
         super().__init__()
         self.config = cfg
         w = Weights(tensors, where, prefixes=("model.",), factory=factory)
         V, H = cfg.vocab_size, cfg.hidden_size
-        embed = w.get("embed_tokens.weight", (V, H))
         self.rope_table = RopeTable(cfg.head_dim, cfg.max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.blocks = torch.nn.ModuleList(LlamaBlock(cfg, w, i, self.rope_table) for i in range(cfg.num_layers))
         self.final_norm = RMSNorm(w.get("norm.weight", (H,)), cfg.norm_eps)
         own_head = w.has_linear("lm_head") and (not cfg.tie_embeddings or w.is_quantized("lm_head"))
+        dtype = self.final_norm.weight.dtype
         if own_head:
             self.lm_head = w.linear(["lm_head"], [(V, H)])
-            self.embed_tokens = torch.nn.Parameter(embed, requires_grad=False)
+            # a tied model whose INT8 head is also its INT8 table stores no embedding of its own
+            self.embed_tokens = w.embedding("embed_tokens", (V, H), dtype) if w.has_linear("embed_tokens") else None
         else:
-            self.lm_head = Linear(embed)  # tied: one buffer is both lm_head and the embedding table
+            self.lm_head = Linear(w.get("embed_tokens.weight", (V, H)))  # tied: one buffer is head and table
             self.embed_tokens = None
 
-    def untie(self, embedding: torch.Tensor) -> None:
-        if self.embed_tokens is None:
-            self.embed_tokens = torch.nn.Parameter(embedding.clone(), requires_grad=False)
+    def untie(self, embedding: torch.nn.Module) -> None:
+        """Give the model its own embedding module (a quantizer replacing a tied head, say)."""
+        self.embed_tokens = embedding
 
     def embed(self, input_ids, positions):
         if self.embed_tokens is None:
             return self.embed_from_head(input_ids)
-        return self.embed_tokens[input_ids]
+        return self.embed_tokens(input_ids)  # (B, T, H)
 
     def linear_map(self) -> list[tuple[str, list[tuple[str, int]]]]:
         """Each linear module -> the Hugging Face projections fused in it, with their row counts."""

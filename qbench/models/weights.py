@@ -89,7 +89,8 @@ class LazyTensors:
     def keys(self):
         return self.where.keys()
 
-    def get(self, name: str, default=None):
+    def get(self, name: str, default=None, keep_dtype: bool = False):
+        """The tensor, floats converted to this mapping's dtype unless ``keep_dtype`` (an fp16 table stays fp16)."""
         if name not in self.where:
             return default
         f, info, start = self.where[name]
@@ -100,7 +101,7 @@ class LazyTensors:
             if fh.readinto(memoryview(buf.numpy())) != e - b:
                 raise QBenchError(f"{f}: tensor {name!r} is truncated; re-create the file")
         t = buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
-        return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype else t
+        return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype and not keep_dtype else t
 
 
 def load_state_dict(folder: Path, dtype: torch.dtype) -> LazyTensors:
@@ -157,6 +158,15 @@ class Weights:
 
     def is_quantized(self, name: str) -> bool:
         return getattr(self.factory, "is_quantized", lambda w, n: False)(self, name)
+
+    def embedding(self, name: str, shape: tuple[int, int], out_dtype: torch.dtype):
+        """The token embedding table ``name`` (V, H) as a lookup module (the factory's, for an artifact that
+        stores it narrower)."""
+        make = getattr(self.factory, "embedding", None)
+        if make is not None:
+            return make(self, name, shape, out_dtype)
+        from qbench.layers.embedding import Embedding
+        return Embedding(self.get(name + ".weight", shape), out_dtype)
 
     def linear(self, names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
         """Projections ``names`` with (out, in) ``shapes``, fused in order -> one module."""

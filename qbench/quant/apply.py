@@ -14,11 +14,21 @@ import torch
 
 from qbench.errors import QBenchError
 from qbench.layers.attention import AttnMetadata, build_mask
+from qbench.layers.embedding import Embedding
 from qbench.models.base import CausalLM
 from qbench.quant import awq, gptq
 from qbench.quant.primitives import QTensor, dequantize, quantize_int4, quantize_int8
+from qbench.quant.qembedding import Int8Embedding
 from qbench.quant.qlinear import make_qlinear
 from qbench.quant.recipe import Recipe
+
+
+@dataclass
+class EmbeddingResult:
+    scheme: str  # fp32, fp16, bf16 or int8
+    shared_with_head: bool = False  # a tied model's INT8 table that is also its INT8 head: one stored tensor
+    q: QTensor | None = None  # int8
+    table: torch.Tensor | None = None  # fp16 / bf16
 
 
 @dataclass
@@ -26,6 +36,7 @@ class QuantResult:
     qtensors: dict[str, QTensor] = field(default_factory=dict)  # module path -> quantized weight
     layers: list[dict] = field(default_factory=list)  # per-layer error records
     seconds: float = 0.0
+    embedding: EmbeddingResult | None = None
 
 
 def _get(model: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -41,7 +52,7 @@ def targets(model: CausalLM, recipe: Recipe) -> list[str]:
     ws = recipe.weights
     out = []
     for path, _ in model.linear_map():
-        if path == "lm_head" and not ws.lm_head:
+        if path == "lm_head" and ws.head_scheme() is None:
             continue
         if any(s in path for s in ws.skip):
             continue
@@ -67,9 +78,43 @@ def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.T
     """Swap the linear at ``path`` for its quantized module and record its error."""
     res.qtensors[path] = q
     res.layers.append(_record(path, W, q, X))
-    if path == "lm_head":
-        model.untie(W)  # the token embedding stays in full precision
     _set(model, path, make_qlinear(q, _get(model, path).bias))
+
+
+def _head_rtn(model: CausalLM, recipe: Recipe, res: QuantResult) -> None:
+    """The output head, round to nearest under its own scheme (no calibration inputs are captured for it)."""
+    W = model.lm_head.weight.float()
+    _replace(model, "lm_head", rtn(W, *recipe.weights.head_scheme()), W, None, res)
+
+
+def quantize_embedding(model: CausalLM, recipe: Recipe, res: QuantResult) -> None:
+    """Store the token embedding table per ``weights.embedding``; untie it from a head about to be quantized.
+
+    A tied model whose head and table are both INT8 per row keeps one tensor: the head's codes serve the
+    lookups (QuantLinear.rows). A tied model whose head stays fp cannot store its table otherwise: the table
+    is the head."""
+    ws = recipe.weights
+    table = model.embedding_table()  # (V, H)
+    tied = getattr(model, model.embed_attr) is None
+    head = ws.head_scheme()
+    out = EmbeddingResult(ws.embedding, shared_with_head=tied and ws.embedding == "int8" and head == (8, None, True))
+    module, stored = None, table
+    if ws.embedding == "int8":
+        out.q = quantize_int8(table)
+        stored = dequantize(out.q)
+        module = None if out.shared_with_head else Int8Embedding(out.q, model.dtype)
+    elif ws.embedding in ("fp16", "bf16"):
+        out.table = table.to(torch.float16 if ws.embedding == "fp16" else torch.bfloat16)
+        stored = out.table.float()
+        module = Embedding(out.table, model.dtype)
+    elif tied and head is not None:
+        module = Embedding(table.clone(), model.dtype)  # the table stays fp32 apart from the quantized head
+    if module is not None:
+        model.untie(module)
+    res.embedding = out
+    res.layers.append({"module": "embedding", "shape": list(table.shape), "scheme": ws.embedding,
+                       "shared_with_lm_head": out.shared_with_head,
+                       "weight_rel_error": ((stored - table).norm() / table.norm()).item()})
 
 
 def _block_forward(cfg, block, x: torch.Tensor) -> torch.Tensor:
@@ -79,16 +124,30 @@ def _block_forward(cfg, block, x: torch.Tensor) -> torch.Tensor:
     return block(x, build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window), meta, None)
 
 
+def check_recipe(model: CausalLM, recipe: Recipe) -> None:
+    """What a recipe asks that this model cannot take, refused before any work."""
+    ws = recipe.weights
+    if ws.method == "awq" and model.config.family != "llama":
+        raise QBenchError(f"AWQ is implemented for the Llama family; {model.config.model_type} is not; use rtn or gptq")
+    if getattr(model, model.embed_attr) is None and ws.head_scheme() is None and ws.embedding != "fp32":
+        raise QBenchError(f"recipe {recipe.name}: weights.embedding: {ws.embedding} on a model with tied embeddings "
+                          f"would change its output head too; quantize the head as well (weights.lm_head) or "
+                          f"keep the embedding fp32")
+
+
 def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, log=print) -> QuantResult:
     """Quantize ``model`` in place per ``recipe`` (swapping in QuantLinear modules)."""
     ws = recipe.weights
+    check_recipe(model, recipe)
     t0 = time.perf_counter()
     res = QuantResult()
     todo = targets(model, recipe)
-    if ws.method == "awq" and model.config.family != "llama":
-        raise QBenchError(f"AWQ is implemented for the Llama family; {model.config.model_type} is not; use rtn or gptq")
+    quantize_embedding(model, recipe, res)
     if ws.method == "rtn":
         for path in todo:
+            if path == "lm_head":
+                _head_rtn(model, recipe, res)
+                continue
             W = _get(model, path).weight.float()
             _replace(model, path, rtn(W, ws.bits, ws.group_size, ws.symmetric), W, None, res)
         res.seconds = time.perf_counter() - t0
@@ -116,9 +175,8 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                 _replace(model, name, q, W, inputs[name[len(prefix):]], res)
             x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method})")
-        if "lm_head" in todo:  # no calibration inputs are captured for the head: round to nearest
-            W = model.lm_head.weight.float()
-            _replace(model, "lm_head", rtn(W, ws.bits, ws.group_size, ws.symmetric), W, None, res)
+        if "lm_head" in todo:
+            _head_rtn(model, recipe, res)
     res.seconds = time.perf_counter() - t0
     return res
 

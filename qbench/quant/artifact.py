@@ -56,8 +56,28 @@ def qtensor_tensors(name: str, q: QTensor) -> dict[str, torch.Tensor]:
     return t
 
 
+def tensor_scheme(q: QTensor) -> dict:
+    """The integer scheme one stored tensor uses (recorded per tensor: a head may differ from the linears)."""
+    return {"bits": q.bits, "group_size": q.group_size, "symmetric": q.symmetric}
+
+
+def _embedding_tensors(model: CausalLM, emb, tensors: dict, skip: set) -> dict:
+    """Put the embedding table in ``tensors`` per its scheme -> the manifest's ``embedding`` record."""
+    name = model.embed_hf
+    if emb.scheme == "int8" and not emb.shared_with_head:
+        tensors.update({f"{name}.qweight": emb.q.codes.contiguous(), f"{name}.scales": emb.q.scale.contiguous()})
+    elif emb.table is not None:
+        tensors[f"{name}.weight"] = emb.table.contiguous()
+    if emb.scheme != "fp32":
+        skip.add(f"{name}.weight")
+    stored = ["lm_head.qweight", "lm_head.scales"] if emb.shared_with_head else sorted(
+        k for k in tensors if k.startswith(name + "."))
+    return {"scheme": emb.scheme, "shared_with_lm_head": emb.shared_with_head, "stored_as": stored,
+            "bytes": sum(tensors[k].nbytes for k in stored if k in tensors)}
+
+
 def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qtensors: dict[str, QTensor],
-                  manifest: dict) -> dict:
+                  manifest: dict, embedding=None) -> dict:
     """Write the artifact into ``out_dir`` (a fresh folder: the caller renames it into place)."""
     src = LazyTensors(source, torch.float32)
     tensors: dict[str, torch.Tensor] = {}
@@ -68,8 +88,9 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
             continue
         for name, q in split_rows(qtensors[path], parts).items():
             tensors.update(qtensor_tensors(name, q))
-            quantized[name] = {"shape": list(q.shape), "bytes": storage_bytes(q)}
+            quantized[name] = {"shape": list(q.shape), "bytes": storage_bytes(q), "scheme": tensor_scheme(q)}
             skip.add(name + ".weight")
+    emb_record = None if embedding is None else _embedding_tensors(model, embedding, tensors, skip)
     norms = {hf: model.get_submodule(path) for path, hf in model.norm_map().items()}
     for key in src.keys():
         bare = key.split(".", 1)[1] if key.startswith(("model.", "transformer.")) and key not in skip else key
@@ -82,12 +103,16 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
                 tensors[key] = norm.weight.detach().float().contiguous()
     q_bytes = sum(v["bytes"] for v in quantized.values())
     q_weights = sum(v["shape"][0] * v["shape"][1] for v in quantized.values())
-    fp_bytes = sum(t.nbytes for k, t in tensors.items() if not k.endswith((".qweight", ".scales", ".zeros")))
-    manifest = dict(manifest, format=FORMAT, scheme=scheme, quantized=quantized, size={
-        "artifact_tensor_bytes": q_bytes + fp_bytes, "quantized_weight_bytes": q_bytes, "fp_tensor_bytes": fp_bytes,
+    total = sum(t.nbytes for t in tensors.values())
+    params = source_parameters(src)
+    manifest = dict(manifest, format=FORMAT, scheme=scheme, quantized=quantized, embedding=emb_record, size={
+        "artifact_tensor_bytes": total, "quantized_weight_bytes": q_bytes, "other_tensor_bytes": total - q_bytes,
+        "parameters": params, "bits_per_weight_all": 8 * total / params,
         "quantized_weights": q_weights, "bits_per_weight": 8 * q_bytes / max(q_weights, 1),
     }, qbench_version=__version__)
-    meta = {"format": FORMAT, "scheme": json.dumps(scheme, sort_keys=True), "quantized": json.dumps(sorted(quantized))}
+    meta = {"format": FORMAT, "scheme": json.dumps(scheme, sort_keys=True), "quantized": json.dumps(sorted(quantized)),
+            "schemes": json.dumps({k: v["scheme"] for k, v in sorted(quantized.items())}, sort_keys=True),
+            "embedding": json.dumps(emb_record, sort_keys=True)}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata=meta)
     shutil.copy(source / "config.json", out_dir / "config.json")
     for f in TOKENIZER_FILES:
@@ -95,6 +120,18 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
             shutil.copy(source / f, out_dir / f)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def source_parameters(src: LazyTensors) -> int:
+    """The source model's weights, a tied table counted once (it is one tensor there): llama.cpp's
+    bits-per-weight denominator."""
+    n = 0
+    for _, info, _ in src.where.values():
+        count = 1
+        for d in info["shape"]:
+            count *= int(d)
+        n += count
+    return n
 
 
 def read_manifest(folder: Path) -> dict:
@@ -120,11 +157,32 @@ def expected_shapes(scheme: dict, n: int, k: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
-class QuantFactory:
-    """Builds QuantLinear modules for the projections an artifact stores quantized."""
+def scheme_of(manifest_scheme: dict | None, info: dict) -> dict:
+    """One quantized tensor's scheme: its own record, or (artifacts written before per-tensor records) the
+    artifact's."""
+    return info.get("scheme") or manifest_scheme
 
-    def __init__(self, scheme: dict, quantized: dict[str, dict], where: str):
-        self.scheme, self.quantized, self.where = scheme, quantized, where
+
+class QuantFactory:
+    """Builds QuantLinear modules for the projections an artifact stores quantized, and its embedding table."""
+
+    def __init__(self, scheme: dict, quantized: dict[str, dict], where: str, embedding: dict | None = None):
+        self.scheme, self.quantized, self.where, self.emb = scheme, quantized, where, embedding
+
+    def embedding(self, w: Weights, name: str, shape: tuple[int, int], out_dtype: torch.dtype):
+        from qbench.layers.embedding import Embedding
+        from qbench.quant.qembedding import Int8Embedding
+        scheme = (self.emb or {}).get("scheme", "fp32")
+        V, H = shape
+        if scheme == "int8":
+            codes, scales = w.get(name + ".qweight", (V, H)), w.get(name + ".scales", (V,))
+            if codes.dtype != torch.int8:
+                raise QBenchError(f"{self.where}: {name}.qweight is {codes.dtype}, the manifest says INT8; "
+                                  f"re-create the artifact")
+            return Int8Embedding(QTensor(8, codes, scales.half(), None, None, (V, H)), out_dtype)
+        key = next(k for k in (w.prefix + name + ".weight", name + ".weight") if k in w.tensors)
+        return Embedding(w.tensors.get(key, keep_dtype=True) if scheme != "fp32" else w.get(name + ".weight", shape),
+                         out_dtype)
 
     def is_quantized(self, w: Weights, name: str) -> bool:
         return self._key(w, name) is not None
@@ -136,9 +194,10 @@ class QuantFactory:
         return None
 
     def qtensor(self, w: Weights, key: str, n: int, k: int) -> QTensor:
-        bits, group, sym = self.scheme["bits"], self.scheme.get("group_size"), self.scheme["symmetric"]
+        scheme = scheme_of(self.scheme, self.quantized[key])
+        bits, group, sym = scheme["bits"], scheme.get("group_size"), scheme["symmetric"]
         got = {}
-        for suffix, shape in expected_shapes(self.scheme, n, k).items():
+        for suffix, shape in expected_shapes(scheme, n, k).items():
             t = w.tensors.get(key + suffix)
             if t is None or tuple(t.shape) != shape:
                 raise QBenchError(f"{self.where}: the manifest's {bits}-bit scheme needs {key + suffix} of shape "
@@ -157,6 +216,8 @@ class QuantFactory:
         if any(k is None for k in keys):
             raise QBenchError(f"{self.where}: {names} are fused at run time but only some are quantized")
         qs = [self.qtensor(w, key, n, k) for key, (n, k) in zip(keys, shapes)]
+        if len({(x.bits, x.group_size, x.symmetric) for x in qs}) > 1:
+            raise QBenchError(f"{self.where}: {names} are fused at run time but stored under different schemes")
         q = qs[0] if len(qs) == 1 else QTensor(
             qs[0].bits, torch.cat([x.codes for x in qs]), torch.cat([x.scale for x in qs]),
             None if qs[0].zero is None else torch.cat([x.zero for x in qs]), qs[0].group_size,
@@ -191,16 +252,21 @@ def load_artifact(folder: Path, dtype: torch.dtype = torch.float32, shard=None) 
         raise QBenchError(f"{folder}: {MANIFEST} and model.safetensors list different quantized tensors; "
                           f"re-create the artifact")
     scheme = manifest["scheme"]
+    recorded = {k: v["scheme"] for k, v in manifest.get("quantized", {}).items() if "scheme" in v}
+    if "schemes" in meta and json.loads(meta["schemes"]) != recorded or \
+            "embedding" in meta and json.loads(meta["embedding"]) != manifest.get("embedding"):
+        raise QBenchError(f"{folder}: {MANIFEST} and model.safetensors record different per-tensor schemes; "
+                          f"re-create the artifact")
     for name, info in manifest.get("quantized", {}).items():
         n, k = info["shape"]
-        for suffix, shape in expected_shapes(scheme, n, k).items():
+        for suffix, shape in expected_shapes(scheme_of(scheme, info), n, k).items():
             got = header.get(name + suffix, {}).get("shape")
             if got is None or tuple(got) != shape:
                 raise QBenchError(f"{folder}: {MANIFEST} says {name} is {n}x{k} ({scheme['bits']}-bit), so "
                                   f"{name + suffix} should be {shape}, but the tensors have {got}; the manifest "
                                   f"does not match the weights: re-create the artifact")
     ModelConfig.from_folder(folder)
-    factory = QuantFactory(manifest["scheme"], manifest.get("quantized", {}), str(folder))
+    factory = QuantFactory(manifest["scheme"], manifest.get("quantized", {}), str(folder), manifest.get("embedding"))
     tensors = LazyTensors(folder, dtype)
     model = load_model(folder, dtype, tensors=tensors, factory=factory,
                        shard=None if shard is None else lambda cfg, t: shard(cfg, t, scheme))

@@ -16,7 +16,7 @@ from qbench.layers.kvquant import kv_memory
 from qbench.models.weights import weight_files
 from qbench.models.zoo import SOURCE_FILE, resolve_model, sha256_file
 from qbench.paths import atomic_dir
-from qbench.quant.apply import quantize_model
+from qbench.quant.apply import check_recipe, quantize_model
 from qbench.quant.artifact import is_artifact, save_artifact
 from qbench.quant.calibration import calibration_windows
 from qbench.quant.recipe import Recipe, load_recipe
@@ -74,6 +74,8 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
             recipe.kv.check(recipe.kv.group, model.config.head_dim)
         except ValueError as e:
             raise QBenchError(f"{recipe_spec}: {e}") from None
+    if recipe.weights is not None:
+        check_recipe(model, recipe)
     torch.manual_seed(recipe.calibration.seed)
     calib, calib_record = None, None
     if recipe.needs_calibration:
@@ -102,5 +104,6 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
             recipe.kv, model.config.num_layers, model.config.num_kv_heads, model.config.head_dim)),
     }
     with atomic_dir(out) as tmp:
-        manifest = save_artifact(model, folder, tmp, scheme, {} if result is None else result.qtensors, manifest)
+        manifest = save_artifact(model, folder, tmp, scheme, {} if result is None else result.qtensors, manifest,
+                                 None if result is None else result.embedding)
     return manifest

@@ -31,28 +31,62 @@ def _check_keys(where: str, section: str, data: dict, cls) -> None:
                               f"(allowed: {', '.join(sorted(allowed))})")
 
 
+EMBEDDING_SCHEMES = ("fp32", "fp16", "bf16", "int8")  # int8: symmetric per row, dequantized on lookup
+
+
+def _check_int_scheme(where: str, section: str, bits, group_size, symmetric) -> None:
+    """bits / group_size / symmetric of an integer weight scheme, with the field named on error."""
+    if type(bits) is not int or bits not in (4, 8):
+        raise RecipeError(f"{where}: {section}.bits: {bits!r} is not supported (supported: 4, 8)")
+    if not isinstance(symmetric, bool):
+        raise RecipeError(f"{where}: {section}.symmetric: {symmetric!r} must be true or false")
+    if bits == 4 and (type(group_size) is not int or group_size not in GROUP_SIZES):
+        raise RecipeError(f"{where}: {section}.group_size: {group_size!r} is not supported "
+                          f"(supported: {', '.join(map(str, GROUP_SIZES))})")
+    if bits == 8 and (group_size is not None or not symmetric):
+        raise RecipeError(f"{where}: {section}: INT8 is symmetric per output channel; drop group_size and "
+                          f"symmetric")
+
+
+@dataclass(frozen=True)
+class HeadScheme:
+    """The output head's own integer scheme, when it differs from the decoder linears'."""
+    bits: int = 8
+    group_size: int | None = None
+    symmetric: bool = True
+
+    def validate(self, where: str) -> None:
+        _check_int_scheme(where, "weights.lm_head", self.bits, self.group_size, self.symmetric)
+
+
 @dataclass(frozen=True)
 class WeightScheme:
     bits: int = 4
     group_size: int | None = 128
     symmetric: bool = True
     method: str = "rtn"
-    lm_head: bool = False  # quantize the output head too
+    lm_head: bool | HeadScheme = False  # true: the linears' scheme; a mapping: its own (INT8, or INT4 g)
+    embedding: str = "fp32"  # how the token embedding table is stored: one of EMBEDDING_SCHEMES
     skip: tuple[str, ...] = ()  # module-name substrings kept in full precision
 
     def validate(self, where: str) -> None:
-        if self.bits not in (4, 8):
-            raise RecipeError(f"{where}: weights.bits: {self.bits!r} is not supported (supported: 4, 8)")
-        if self.bits == 4 and self.group_size not in GROUP_SIZES:
-            raise RecipeError(f"{where}: weights.group_size: {self.group_size!r} is not supported "
-                              f"(supported: {', '.join(map(str, GROUP_SIZES))})")
-        if self.bits == 8 and (self.group_size is not None or not self.symmetric):
-            raise RecipeError(f"{where}: weights: INT8 is symmetric per output channel; drop group_size and "
-                              f"symmetric")
+        _check_int_scheme(where, "weights", self.bits, self.group_size, self.symmetric)
         if self.method not in METHODS:
             raise RecipeError(f"{where}: weights.method: {self.method!r} is not one of {', '.join(METHODS)}")
-        if not isinstance(self.symmetric, bool) or not isinstance(self.lm_head, bool):
-            raise RecipeError(f"{where}: weights.symmetric and weights.lm_head must be true or false")
+        if isinstance(self.lm_head, HeadScheme):
+            self.lm_head.validate(where)
+        elif not isinstance(self.lm_head, bool):
+            raise RecipeError(f"{where}: weights.lm_head: {self.lm_head!r} must be true, false or a mapping "
+                              f"{{bits, group_size, symmetric}}")
+        if self.embedding not in EMBEDDING_SCHEMES:
+            raise RecipeError(f"{where}: weights.embedding: {self.embedding!r} is not supported (supported: "
+                              f"{', '.join(EMBEDDING_SCHEMES)})")
+
+    def head_scheme(self) -> tuple[int, int | None, bool] | None:
+        """(bits, group_size, symmetric) of the output head, or None when it stays in full precision."""
+        if isinstance(self.lm_head, HeadScheme):
+            return self.lm_head.bits, self.lm_head.group_size, self.lm_head.symmetric
+        return (self.bits, self.group_size, self.symmetric) if self.lm_head else None
 
 
 @dataclass(frozen=True)
@@ -130,7 +164,12 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
         raw = dict(data[section])
         _check_keys(where, section, raw, cls)
         if "skip" in raw:
+            if not isinstance(raw["skip"], list) or not all(isinstance(x, str) for x in raw["skip"]):
+                raise RecipeError(f"{where}: {section}.skip: {raw['skip']!r} must be a list of module-name substrings")
             raw["skip"] = tuple(raw["skip"])
+        if section == "weights" and isinstance(raw.get("lm_head"), dict):
+            _check_keys(where, "weights.lm_head", raw["lm_head"], HeadScheme)
+            raw["lm_head"] = HeadScheme(**raw["lm_head"])
         try:
             obj = cls(**raw)
         except TypeError as e:
