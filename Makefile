@@ -8,7 +8,7 @@ QBENCH := $(VENV)/bin/qbench
 MODEL ?= smollm2-135m-instruct
 STAMP := $(VENV)/.qbench-installed
 
-.PHONY: setup demo test clean
+.PHONY: setup demo demo-qwen test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,35 @@ demo: $(STAMP)
 		--out artifacts/demo
 	@echo "demo finished in $$(( $$(date +%s) - $$(cat .demo-start) )) s; the report: artifacts/demo/report.html (and report.md)"
 	@rm -f .demo-start
+
+# The main job on the model that can do the tasks: Qwen2.5-Coder-0.5B-Instruct with evals/qwen.yaml, whose GSM8K
+# (chat format) and needle subsets are sized so that "not significant" means a difference under about 8 points.
+# Far longer than the SmolLM2 demo on 2 cores (see the README); the report goes to artifacts/demo-qwen.
+QWEN := qwen2.5-coder-0.5b-instruct
+QRUNS := artifacts/runs/demo-qwen
+QSUITE := evals/qwen.yaml
+demo-qwen: $(STAMP)
+	@date +%s > .demo-qwen-start
+	@echo "[1/4] pull $(QWEN)"
+	$(QBENCH) pull $(QWEN)
+	@echo "[2/4] quantize: w8, w4g128, w4g128-h8e8 (head and embedding INT8 too), w4g128-awq"
+	$(QBENCH) quantize $(QWEN) --recipe w8 --out artifacts/quant/qwen-w8
+	$(QBENCH) quantize $(QWEN) --recipe w4g128 --out artifacts/quant/qwen-w4g128
+	$(QBENCH) quantize $(QWEN) --recipe w4g128-h8e8 --out artifacts/quant/qwen-w4g128-h8e8
+	$(QBENCH) quantize $(QWEN) --recipe w4g128-awq --calibration-samples 16 --out artifacts/quant/qwen-w4g128-awq
+	@echo "[3/4] evaluate with $(QSUITE): fp baseline, then each variant against it"
+	rm -rf $(QRUNS)
+	$(QBENCH) eval $(QWEN) --suite $(QSUITE) --out $(QRUNS)/fp
+	$(QBENCH) eval artifacts/quant/qwen-w8 --suite $(QSUITE) --out $(QRUNS)/w8 --baseline $(QRUNS)/fp
+	$(QBENCH) eval artifacts/quant/qwen-w4g128 --suite $(QSUITE) --out $(QRUNS)/w4g128 --baseline $(QRUNS)/fp
+	$(QBENCH) eval artifacts/quant/qwen-w4g128-h8e8 --suite $(QSUITE) --out $(QRUNS)/w4g128-h8e8 --baseline $(QRUNS)/fp
+	$(QBENCH) eval artifacts/quant/qwen-w4g128-awq --suite $(QSUITE) --out $(QRUNS)/w4g128-awq --baseline $(QRUNS)/fp
+	$(QBENCH) eval $(QWEN) --kv kv4 --suite $(QSUITE) --out $(QRUNS)/kv4 --baseline $(QRUNS)/fp
+	@echo "[4/4] compare"
+	$(QBENCH) compare $(QRUNS)/fp $(QRUNS)/w8 $(QRUNS)/w4g128 $(QRUNS)/w4g128-h8e8 $(QRUNS)/w4g128-awq $(QRUNS)/kv4 \
+		--out artifacts/demo-qwen
+	@echo "demo-qwen finished in $$(( $$(date +%s) - $$(cat .demo-qwen-start) )) s; the report: artifacts/demo-qwen/report.html"
+	@rm -f .demo-qwen-start
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -54,9 +54,19 @@ def test_bad_suites_name_the_file_and_field(tmp_path, text, fragment):
 
 
 def test_the_shipped_suites_load():
-    for name in ("evals/quick.yaml", "evals/full.yaml"):
+    sized = {"evals/quick.yaml": "smollm2-135m-instruct", "evals/full.yaml": "qwen2.5-coder-0.5b-instruct",
+             "evals/qwen.yaml": "qwen2.5-coder-0.5b-instruct"}
+    for name, model in sized.items():
         s = load_suite(name)
-        assert s.seed == 1234 and "kld" in s.tasks
+        assert s.seed == 1234 and "kld" in s.tasks and s.sized_for == model
+    full = load_suite("evals/full.yaml")
+    assert full.tasks["gsm8k_cot"].limit == 0 and full.tasks["gsm8k_cot"].chat  # all 1,319 items, chat format
+    n = full.tasks["needle"]
+    assert len(n.lengths) >= 4 and len(n.depths) >= 5 and n.samples >= 4 and max(n.lengths) >= 16384
+    q = load_suite("evals/qwen.yaml")
+    assert min(q.tasks["needle"].lengths) >= 4096 and q.tasks["gsm8k_cot"].chat
+    from qbench.evals.stats import mcnemar_mde
+    assert mcnemar_mde(q.tasks["gsm8k_cot"].limit, int(0.2 * q.tasks["gsm8k_cot"].limit))["difference"] <= 0.08
 
 
 def test_engine_scoring_matches_the_cache_free_forward(smollm2):

@@ -17,11 +17,18 @@ def engine_logits(model, ids):
     return model(ids, AttnMetadata(positions=torch.arange(ids.shape[1]).expand(ids.shape[0], -1)))
 
 
-@pytest.mark.parametrize("recipe", ["w8", "w4g64", "w4g128"])
+HEAD8_EMB16 = "name: h\nweights: {bits: 4, group_size: 64, lm_head: {bits: 8}, embedding: fp16}\n"
+HEAD4 = "name: h\nweights: {bits: 8, group_size: null, lm_head: {bits: 4, group_size: 32}}\n"
+
+
+@pytest.mark.parametrize("recipe", ["w8", "w4g64", "w4g128", "w4g64-head", HEAD8_EMB16, HEAD4])
 def test_transformers_loads_the_export_and_matches_the_engine(tiny_models, tmp_path, recipe):
     from transformers import AutoModelForCausalLM
     folder, _ = tiny_models["llama"]
     art, out = tmp_path / "art", tmp_path / "ct"
+    if recipe.startswith("name:"):  # a head under its own scheme, an fp16 table
+        (tmp_path / "r.yaml").write_text(recipe)
+        recipe = str(tmp_path / "r.yaml")
     run_quantize(str(folder), recipe, art, log=lambda s: None)
     run_export(art, "compressed-tensors", out)
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -88,3 +95,12 @@ def test_native_export_copies_the_artifact(tiny_models, tmp_path):
     run_export(tmp_path / "a", "native", tmp_path / "n")
     assert (tmp_path / "n" / "qbench.json").read_text() == (tmp_path / "a" / "qbench.json").read_text()
     load_artifact(tmp_path / "n")
+
+
+def test_an_int8_embedding_is_refused_with_one_line(tiny_models, tmp_path):
+    from conftest import run_qbench
+    folder, _ = tiny_models["qwen2"]
+    run_quantize(str(folder), "w4g128-h8e8", tmp_path / "art", log=lambda s: None)
+    p = run_qbench("export", tmp_path / "art", "--format", "compressed-tensors", "--out", tmp_path / "ct")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "embedding table is INT8" in p.stderr
+    assert not (tmp_path / "ct").exists()

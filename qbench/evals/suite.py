@@ -32,9 +32,10 @@ class Suite:
     batch_size: int
     tasks: dict  # task name -> that task's config dataclass
     path: str = ""
+    sized_for: str = ""  # the model whose speed and accuracy the sizes were chosen for (a note, not a check)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "seed": self.seed, "batch_size": self.batch_size,
+        return {"name": self.name, "seed": self.seed, "batch_size": self.batch_size, "sized_for": self.sized_for,
                 "tasks": {k: asdict(v) for k, v in self.tasks.items()}}
 
     @property
@@ -42,6 +43,7 @@ class Suite:
         """What the baseline and the candidate must share: tasks, sizes and seed (not the batch size)."""
         d = self.to_dict()
         d.pop("batch_size")
+        d.pop("sized_for")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -81,10 +83,12 @@ def load_suite(spec: str) -> Suite:
     data = read_mapping(path, "suite", SuiteError)
     where = str(path)
     for key in data:
-        if key not in ("name", "seed", "batch_size", "tasks"):
-            raise SuiteError(f"{where}: unknown field {key} (allowed: name, seed, batch_size, tasks)")
+        if key not in ("name", "seed", "batch_size", "sized_for", "tasks"):
+            raise SuiteError(f"{where}: unknown field {key} (allowed: name, seed, batch_size, sized_for, tasks)")
     if not isinstance(data.get("name"), str):
         raise SuiteError(f"{where}: missing string field 'name'")
+    if not isinstance(data.get("sized_for", ""), str):
+        raise SuiteError(f"{where}: sized_for: {data['sized_for']!r} must be a model name")
     seed, bs = data.get("seed", 0), data.get("batch_size", 8)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise SuiteError(f"{where}: seed: {seed!r} must be an integer >= 0")
@@ -98,4 +102,4 @@ def load_suite(spec: str) -> Suite:
         if name not in TASKS:
             raise SuiteError(f"{where}: unknown task {name!r} (known: {', '.join(sorted(TASKS))})")
         built[name] = build_config(TASKS[name].Config, raw or {}, where, f"tasks.{name}")
-    return Suite(data["name"], seed, bs, built, where)
+    return Suite(data["name"], seed, bs, built, where, data.get("sized_for", ""))

@@ -11,8 +11,10 @@ def _versus(vb: dict | None, scale: float, unit: str) -> str:
     """The paired comparison with the baseline, marked when it is not significant."""
     if not vb:
         return ""
+    mde = vb["mcnemar"].get("mde") or {}
+    detect = "" if mde.get("difference") is None else f"; could detect {100 * mde['difference']:.1f} points or more"
     return (f"; vs baseline {scale * vb['diff_ci']['diff']:+.3g}{unit}, McNemar p={vb['mcnemar']['p_value']:.3f}"
-            + ("" if vb["mcnemar"]["significant"] else " (not significant)"))
+            + ("" if vb["mcnemar"]["significant"] else f" (not significant{detect})"))
 
 
 def render_summary(record: dict) -> str:

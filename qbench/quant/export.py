@@ -85,10 +85,15 @@ def run_export(artifact: Path, fmt: str, out: Path) -> Path:
     scheme = manifest.get("scheme")
     if scheme is None:
         raise QBenchError(f"{artifact}: has no quantized weights; compressed-tensors export needs a weight scheme")
-    src = LazyTensors(artifact, torch.float32)
+    emb = (manifest.get("embedding") or {}).get("scheme", "fp32")
+    if emb == "int8":
+        raise QBenchError(f"{artifact}: its embedding table is INT8, which compressed-tensors' pack-quantized "
+                          f"format (linear layers only) cannot hold; export a recipe with embedding fp32, fp16 or "
+                          f"bf16, or use --format native")
+    src = LazyTensors(artifact, torch.float32)  # an fp16 / bf16 table is written as float32, as transformers loads it
     factory = QuantFactory(scheme, manifest["quantized"], str(artifact))
     tensors: dict[str, torch.Tensor] = {}
-    groups: dict[int | None, list[str]] = {}
+    groups: dict[tuple, list[str]] = {}  # (bits, symmetric, group size) -> tensors: an INT8 head is its own group
     from qbench.models.weights import Weights
     w = Weights(src, str(artifact))
     for name, info in manifest["quantized"].items():
@@ -96,15 +101,15 @@ def run_export(artifact: Path, fmt: str, out: Path) -> Path:
         q = factory.qtensor(w, name, n, k)
         t, g = ct_tensors(name, q)
         tensors.update(t)
-        groups.setdefault(g, []).append(name)
+        groups.setdefault((q.bits, q.symmetric, g), []).append(name)
     skip = tuple(f"{n}.{s}" for n in manifest["quantized"] for s in ("qweight", "scales", "zeros"))
     for key in src.keys():
         if key not in skip:
             tensors[key] = src.get(key).contiguous()
     config = json.loads((artifact / "config.json").read_text())
     config_groups = {}
-    for i, (g, names) in enumerate(sorted(groups.items(), key=lambda kv: -(kv[0] or 0))):
-        weights = {"num_bits": scheme["bits"], "type": "int", "symmetric": scheme["symmetric"],
+    for i, ((bits, sym, g), names) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0][0], -(kv[0][2] or 0)))):
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym,
                    "strategy": "channel" if g is None else "group", "group_size": g, "dynamic": False,
                    "observer": "minmax", "actorder": None}
         config_groups[f"group_{i}"] = {"targets": sorted(names), "weights": weights, "input_activations": None,

@@ -52,12 +52,22 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                     "PPL ratio ± SE", "needle (by length)", "GSM8K strict", "GSM8K flexible", "GSM8K-CoT strict",
                     "GSM8K-CoT flexible"]
     paired = [[name, t["test"], f"{t['diff']:+.3f}", f"[{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}]",
-               f"{t['p_value']:.3g}", t["method"], "significant" if t["significant"] else NS]
+               f"{t['p_value']:.3g}", t["method"], "significant" if t["significant"] else NS + detectable(t.get("mde"))]
               for name, tests in summary["paired"].items() for t in tests]
     paired_head = ["variant", "paired test vs baseline", "difference", "95% CI", "p", "test", f"at α = {summary['alpha']}"]
     quality_head, quality = _drop_empty(quality_head, quality)
     return [("Size and speed", size_head, size), ("Quality against the baseline", quality_head, quality),
             ("Paired significance", paired_head, paired)]
+
+
+def detectable(mde: dict | None) -> str:
+    """What a "not significant" is worth: the smallest difference this run could have detected."""
+    if not mde:
+        return ""
+    if mde.get("difference") is None:
+        return f"; with {mde['n']} items no difference could reach 80% power"
+    note = " (no discordant pairs: discordance assumed at its 95% upper bound)" if mde["assumption"] != "observed discordance" else ""
+    return f"; this run could detect differences of {100 * mde['difference']:.1f} points or more{note}"
 
 
 def _drop_empty(head: list[str], rows: list[list[str]]) -> tuple[list[str], list[list[str]]]:
@@ -80,6 +90,10 @@ GUIDE = [
               "wide intervals, so read the paired test, not the gap."),
     ("paired test", "McNemar's exact test on the same items (GSM8K, needle), or a paired z on per-token NLL "
                     "(perplexity); 'not significant' means the data cannot tell the variant from the baseline."),
+    ("detectable difference", "beside every McNemar 'not significant': the smallest accuracy difference this run "
+                              "would detect with 80% power at α = 0.05, from the exact power of the test at its n and "
+                              "observed discordance (the share of items where exactly one of the two is right). A "
+                              "larger n, or a closer variant, lowers it."),
     ("decode tok/s, memory", "measured by the suite's speed task in each run (the same prompt, EOS ignored); memory "
                              "counts weight tensors plus the KV cache at that context. Runs are timed separately, "
                              "so expect a few percent of noise."),

@@ -65,6 +65,13 @@ def variant_row(v: Variant) -> dict:
     return row
 
 
+def _mcnemar_row(test: str, vb: dict) -> dict:
+    """A McNemar comparison, with the smallest difference this n could detect (80% power, alpha 0.05)."""
+    return {"test": test, "diff": vb["diff_ci"]["diff"], "ci95": [vb["diff_ci"]["low"], vb["diff_ci"]["high"]],
+            "p_value": vb["mcnemar"]["p_value"], "method": "McNemar exact",
+            "significant": vb["mcnemar"]["p_value"] < ALPHA, "mde": vb["mcnemar"].get("mde")}
+
+
 def paired_tests(v: Variant) -> list[dict]:
     """Every paired comparison of this candidate with the baseline, as recorded by its eval run."""
     t, out = v.tasks, []
@@ -72,14 +79,10 @@ def paired_tests(v: Variant) -> list[dict]:
         for m in ("strict", "flexible"):
             vb = _get(t, g, "vs_baseline", m)
             if vb:
-                out.append({"test": f"{g} {m}", "diff": vb["diff_ci"]["diff"], "ci95": [vb["diff_ci"]["low"], vb["diff_ci"]["high"]],
-                            "p_value": vb["mcnemar"]["p_value"], "method": "McNemar exact",
-                            "significant": vb["mcnemar"]["p_value"] < ALPHA})
+                out.append(_mcnemar_row(f"{g} {m}", vb))
     vb = _get(t, "needle", "vs_baseline")
     if vb:
-        out.append({"test": "needle", "diff": vb["diff_ci"]["diff"], "ci95": [vb["diff_ci"]["low"], vb["diff_ci"]["high"]],
-                    "p_value": vb["mcnemar"]["p_value"], "method": "McNemar exact",
-                    "significant": vb["mcnemar"]["p_value"] < ALPHA})
+        out.append(_mcnemar_row("needle", vb))
     ln = _get(t, "kld", "ln_ppl_ratio")
     if ln and ln["se"] > 0:
         z = ln["value"] / ln["se"]
