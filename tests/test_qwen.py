@@ -2,16 +2,12 @@
 transformers, and the whole model quantized. Runs in CI too."""
 
 import pytest
-import torch
 
 from conftest import QWEN
-from qbench.engine.engine import Engine
-from qbench.engine.hf_backend import HFBackend, load_hf_model
+from qbench.engine.hf_backend import load_hf_model
 from qbench.engine.sampling import SamplingParams
-from qbench.layers.attention import AttnMetadata
 from qbench.models.registry import load_model
-from test_models_golden import cached_logits
-from test_smollm2 import PROMPTS, TEXT
+from real_model_checks import batched_equals_sequential_and_transformers, cached_decode_matches, logits_match
 
 
 @pytest.fixture(scope="module")
@@ -29,38 +25,15 @@ def test_the_pulled_model_is_the_qwen2_the_issue_names(models):
 
 
 def test_logits_match_transformers(models):
-    ours, hf, tok = models
-    ids = torch.tensor([tok(TEXT)["input_ids"]])
-    T = ids.shape[1]
-    with torch.no_grad():
-        ref = hf(ids).logits
-    got = ours(ids, AttnMetadata(positions=torch.arange(T)[None]))
-    assert (got - ref).abs().max().item() < 5e-3
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    logits_match(*models, tol=5e-3)
 
 
 def test_cached_decode_logits_match_transformers(models):
-    ours, hf, tok = models
-    tokens = tok(TEXT)["input_ids"]
-    with torch.no_grad():
-        ref = hf(torch.tensor([tokens])).logits[0, 20:]
-    got = cached_logits(ours, tokens, prompt_len=21, block_size=16)
-    assert (got - ref).abs().max().item() < 5e-3
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    cached_decode_matches(*models, tol=5e-3)
 
 
 def test_batched_equals_sequential_and_equals_transformers(models):
-    ours, hf, tok = models
-    ids = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)["input_ids"]) for p in PROMPTS]
-    assert len({len(x) for x in ids}) > 1  # uneven lengths
-    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    eng = Engine(ours)
-    batched = [s.output_ids for s in eng.generate(ids, sp)]
-    sequential = [eng.generate([p], sp)[0].output_ids for p in ids]
-    assert batched == sequential
-    ref = [s.output_ids for s in HFBackend(hf, 32768, set(), pad_id=tok.pad_token_id).generate(ids, sp)]
-    assert batched == ref
+    batched_equals_sequential_and_transformers(*models, new_tokens=16, window=32768)
 
 
 def test_the_whole_model_quantized_fits_the_size_target(qwen, tmp_path):
