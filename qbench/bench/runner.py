@@ -117,9 +117,11 @@ def run_case(case: dict) -> dict:
             from qbench.quant.artifact import artifact_kv_scheme, is_artifact, load_artifact
             from qbench.quant.recipe import load_kv_scheme
             scheme = None
+            params = None
             if is_artifact(folder):
                 model, manifest = load_artifact(folder, dtype)
                 scheme = artifact_kv_scheme(manifest, str(folder))
+                params = manifest.get("size", {}).get("parameters")
             else:
                 model = load_model(folder, dtype)
             if case.get("kv"):
@@ -129,6 +131,9 @@ def run_case(case: dict) -> dict:
             else:
                 runner = NoCacheEngine(model)
             res["weight_bytes"] = model.weight_bytes()
+            # bits per weight over every tensor held, per source parameter (the headline size)
+            params = params or res["weight_bytes"] // torch.empty(0, dtype=dtype).element_size()
+            res["bits_per_weight"] = 8 * res["weight_bytes"] / params
             cfg = model.config
             res["kv"] = kv_memory(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                   torch.empty(0, dtype=dtype).element_size())
