@@ -45,7 +45,7 @@ def test_the_whole_model_quantized_fits_the_size_target(qwen, tmp_path):
     assert m["embedding"]["scheme"] == "int8" and not m["embedding"]["shared_with_lm_head"]
     assert m["quantized"]["lm_head"]["scheme"] == {"bits": 8, "group_size": None, "symmetric": True}
     gen = Generator(str(tmp_path / "a"))
-    held = gen.engine.model.weight_bytes()
+    held = gen.backend.model.weight_bytes()
     assert held <= 480 * 2**20, held / 2**20
     assert held == pytest.approx(m["size"]["artifact_tensor_bytes"], rel=0.01)
     assert m["size"]["bits_per_weight_all"] < 8 * 480 * 2**20 / m["size"]["parameters"]
