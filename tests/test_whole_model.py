@@ -110,6 +110,10 @@ def test_an_unsupported_embedding_scheme_is_one_line_and_writes_nothing(tiny_mod
     recipe.write_text("name: r\nweights: {bits: 4, group_size: 64, lm_head: {bits: 4, group_size: 96}}\n")
     p = run_qbench("quantize", folder, "--recipe", recipe, "--out", tmp_path / "a")
     assert p.returncode == 2 and "weights.lm_head.group_size: 96 is not supported" in p.stderr
+    tied, _ = tiny_models["llama-tied-bias"]  # a skip list that keeps the head fp keeps the tied table fp too
+    recipe.write_text("name: r\nweights: {bits: 8, group_size: null, lm_head: true, embedding: int8, skip: [lm_head]}\n")
+    p = run_qbench("quantize", tied, "--recipe", recipe, "--out", tmp_path / "a")
+    assert p.returncode == 2 and "tied embeddings" in p.stderr and not (tmp_path / "a").exists()
 
 
 SHAPES = [(48, 64, False), (33, 96, True), (17, 200, True), (130, 576, False), (7, 130, True), (64, 896, True)]

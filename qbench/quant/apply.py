@@ -81,6 +81,11 @@ def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.T
     _set(model, path, make_qlinear(q, _get(model, path).bias))
 
 
+def _head_scheme(model: CausalLM, recipe: Recipe) -> tuple | None:
+    """The head's (bits, group, symmetric) when this recipe quantizes it (a skip list can keep it fp)."""
+    return recipe.weights.head_scheme() if "lm_head" in targets(model, recipe) else None
+
+
 def _head_rtn(model: CausalLM, recipe: Recipe, res: QuantResult) -> None:
     """The output head, round to nearest under its own scheme (no calibration inputs are captured for it)."""
     W = model.lm_head.weight.float()
@@ -96,7 +101,7 @@ def quantize_embedding(model: CausalLM, recipe: Recipe, res: QuantResult) -> Non
     ws = recipe.weights
     table = model.embedding_table()  # (V, H)
     tied = getattr(model, model.embed_attr) is None
-    head = ws.head_scheme()
+    head = _head_scheme(model, recipe)
     out = EmbeddingResult(ws.embedding, shared_with_head=tied and ws.embedding == "int8" and head == (8, None, True))
     module, stored = None, table
     if ws.embedding == "int8":
@@ -129,7 +134,7 @@ def check_recipe(model: CausalLM, recipe: Recipe) -> None:
     ws = recipe.weights
     if ws.method == "awq" and model.config.family != "llama":
         raise QBenchError(f"AWQ is implemented for the Llama family; {model.config.model_type} is not; use rtn or gptq")
-    if getattr(model, model.embed_attr) is None and ws.head_scheme() is None and ws.embedding != "fp32":
+    if getattr(model, model.embed_attr) is None and _head_scheme(model, recipe) is None and ws.embedding != "fp32":
         raise QBenchError(f"recipe {recipe.name}: weights.embedding: {ws.embedding} on a model with tied embeddings "
                           f"would change its output head too; quantize the head as well (weights.lm_head) or "
                           f"keep the embedding fp32")
