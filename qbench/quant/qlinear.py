@@ -65,15 +65,6 @@ class QuantLinear(torch.nn.Module):
     def _prepare(self) -> None:
         raise NotImplementedError
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Dequantized rows of W (out, in) for ``ids`` (n,) -> (n, in): a tied head's token embeddings."""
-        if self.impl == "reference":
-            q = self.q
-            sub = QTensor(q.bits, q.codes[ids], q.scale[ids], None if q.zero is None else q.zero[ids], q.group_size,
-                          (ids.numel(), q.shape[1]))
-            return dequantize(sub)
-        return self._rows(ids)
-
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize(self.q), self.bias)
 
@@ -103,12 +94,16 @@ class Int8Linear(QuantLinear):
             self.register_buffer("codes_nk", F.pad(self.q.codes, (0, self.k_pad - K)).contiguous())
             self.register_buffer("scale32", self.q.scale.to(self._act_dtype).contiguous())
 
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows of W (out, in) for ``ids`` (n,) -> (n, in): a tied INT8 head's token embeddings (only
+        INT8 per channel is also a per-row table, so only this class has rows)."""
         if self.impl == "native":
-            codes = self.panels[ids // PANEL, :, ids % PANEL]  # (n, K)
+            codes, scale = self.panels[ids // PANEL, :, ids % PANEL], self.scale32[ids]  # (n, K)
+        elif self.impl == "reference":
+            codes, scale = self.q.codes[ids], self.q.scale[ids]
         else:
-            codes = self.codes_nk[ids, : self.in_features]
-        return codes.float() * self.scale32[ids].float()[:, None]
+            codes, scale = self.codes_nk[ids, : self.in_features], self.scale32[ids]
+        return codes.float() * scale.float()[:, None]
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.impl.startswith("aten"):
@@ -149,9 +144,6 @@ class Int4Linear(QuantLinear):
             offset = (8.0 - _pad_rows(zero, n16).float()) * s
             sz = torch.stack([s.t(), offset.t()], -1).to(self._act_dtype)
             self.register_buffer("aten_sz", sz.contiguous())  # (ngroups, N, 2)
-
-    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("an INT4 head is never the embedding table: the artifact stores the table apart")
 
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.impl.startswith("aten"):
