@@ -136,10 +136,11 @@ class Weights:
     def has(self, name: str) -> bool:
         return (self.prefix + name) in self.tensors or name in self.tensors
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        t = self.tensors.get(self.prefix + name)
+    def get(self, name: str, shape: tuple[int, ...] | None = None, keep_dtype: bool = False) -> torch.Tensor:
+        kw = {"keep_dtype": True} if keep_dtype else {}  # a stored fp16 / bf16 table stays narrow
+        t = self.tensors.get(self.prefix + name, **kw)
         if t is None:
-            t = self.tensors.get(name)
+            t = self.tensors.get(name, **kw)
         if t is None:
             raise QBenchError(f"{self.where}: tensor {self.prefix + name!r} is missing; the weights do not "
                               f"match config.json")

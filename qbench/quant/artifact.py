@@ -13,6 +13,7 @@ only). The scheme is recorded in the manifest and in the safetensors metadata, n
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -125,13 +126,7 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
 def source_parameters(src: LazyTensors) -> int:
     """The source model's weights, a tied table counted once (it is one tensor there): llama.cpp's
     bits-per-weight denominator."""
-    n = 0
-    for _, info, _ in src.where.values():
-        count = 1
-        for d in info["shape"]:
-            count *= int(d)
-        n += count
-    return n
+    return sum(math.prod(info["shape"]) for _, info, _ in src.where.values())
 
 
 def read_manifest(folder: Path) -> dict:
@@ -180,9 +175,7 @@ class QuantFactory:
                 raise QBenchError(f"{self.where}: {name}.qweight is {codes.dtype}, the manifest says INT8; "
                                   f"re-create the artifact")
             return Int8Embedding(QTensor(8, codes, scales.half(), None, None, (V, H)), out_dtype)
-        key = next(k for k in (w.prefix + name + ".weight", name + ".weight") if k in w.tensors)
-        return Embedding(w.tensors.get(key, keep_dtype=True) if scheme != "fp32" else w.get(name + ".weight", shape),
-                         out_dtype)
+        return Embedding(w.get(name + ".weight", shape, keep_dtype=scheme != "fp32"), out_dtype)
 
     def is_quantized(self, w: Weights, name: str) -> bool:
         return self._key(w, name) is not None
