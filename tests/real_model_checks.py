@@ -4,9 +4,10 @@ greedy generation batched == sequential == transformers."""
 import torch
 
 from qbench.engine.engine import Engine
-from qbench.engine.hf_backend import HFBackend
+from qbench.engine.hf_backend import HFBackend, load_hf_model
 from qbench.engine.sampling import SamplingParams
 from qbench.layers.attention import AttnMetadata
+from qbench.models.registry import load_model
 from test_models_golden import cached_logits
 
 TEXT = ("The Eiffel Tower was completed in 1889 as the entrance arch to the World's Fair. At first many "
@@ -14,6 +15,12 @@ TEXT = ("The Eiffel Tower was completed in 1889 as the entrance arch to the Worl
         "visited monuments in the world.")
 PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves falling slowly to the ground.",
            "2+2=", "List three prime numbers and explain briefly why each of them is prime."]
+
+
+def load_pair(folder):
+    """(qbench's model, transformers' model, the tokenizer) for one real model folder."""
+    from transformers import AutoTokenizer
+    return load_model(folder), load_hf_model(folder), AutoTokenizer.from_pretrained(str(folder))
 
 
 def logits_match(ours, hf, tok, tol: float) -> None:

@@ -4,17 +4,14 @@ transformers, and the whole model quantized. Runs in CI too."""
 import pytest
 
 from conftest import QWEN
-from qbench.engine.hf_backend import load_hf_model
 from qbench.engine.sampling import SamplingParams
-from qbench.models.registry import load_model
-from real_model_checks import batched_equals_sequential_and_transformers, cached_decode_matches, logits_match
+from real_model_checks import (batched_equals_sequential_and_transformers, cached_decode_matches, load_pair,
+                               logits_match)
 
 
 @pytest.fixture(scope="module")
 def models(qwen):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(qwen))
-    return load_model(qwen), load_hf_model(qwen), tok
+    return load_pair(qwen)
 
 
 def test_the_pulled_model_is_the_qwen2_the_issue_names(models):

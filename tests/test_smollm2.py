@@ -6,17 +6,14 @@ import pytest
 
 from conftest import SMOL
 from qbench.engine.api import Generator
-from qbench.engine.hf_backend import load_hf_model
 from qbench.engine.sampling import SamplingParams
-from qbench.models.registry import load_model
-from real_model_checks import batched_equals_sequential_and_transformers, cached_decode_matches, logits_match
+from real_model_checks import (batched_equals_sequential_and_transformers, cached_decode_matches, load_pair,
+                               logits_match)
 
 
 @pytest.fixture(scope="module")
 def models(smollm2):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(smollm2))
-    return load_model(smollm2), load_hf_model(smollm2), tok
+    return load_pair(smollm2)
 
 
 def test_logits_match_transformers(models):
