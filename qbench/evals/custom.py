@@ -56,8 +56,8 @@ def run(subject, cfg: Config, ctx) -> dict:
     todo = [(f"item_{i:05d}", r) for i, r in enumerate(rows) if f"item_{i:05d}" not in done]
     t0, gen = time.perf_counter(), 0
     bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc="custom", unit="item", leave=False)
-    for s in range(0, len(todo), subject.batch_size):
-        group = todo[s: s + subject.batch_size]
+    for s in range(0, len(todo), subject.generate_chunk):
+        group = todo[s: s + subject.generate_chunk]
         ids = [subject.gen.encode(r["prompt"], chat=cfg.chat) for _, r in group]
         for (key, r), seq in zip(group, subject.generate(ids, params)):
             rec = {"key": key, "id": r.get("id"), "prompt": r["prompt"], "output": seq.text, "tokens": seq.output_ids}

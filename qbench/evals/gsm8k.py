@@ -156,8 +156,8 @@ def run(subject, cfg: Config, ctx) -> dict:
     counters = subject.prefill_counters()
     t0, gen_tokens = time.perf_counter(), 0
     bar = tqdm(total=len(chosen), initial=len(chosen) - len(todo), desc=task, unit="item", leave=False)
-    for s in range(0, len(todo), subject.batch_size):
-        group = todo[s: s + subject.batch_size]
+    for s in range(0, len(todo), subject.generate_chunk):
+        group = todo[s: s + subject.generate_chunk]
         seqs = subject.generate([subject.encode(p) for _, _, p in group], params)
         for (key, i, prompt), seq in zip(group, seqs):
             out = seq.text.strip() if seq.finish_reason == "stop" else seq.text

@@ -16,6 +16,9 @@ from qbench.engine.api import Generator
 from qbench.engine.sampling import SamplingParams
 
 
+GENERATE_WAVES = 4
+
+
 @dataclass
 class Generated:
     """What a task reads from a generated sequence, small enough to gather across ranks."""
@@ -35,6 +38,9 @@ class Subject:
         self.tokenizer = self.gen.tokenizer
         self.folder: Path = self.gen.folder
         self.batch_size = batch_size
+        # items handed to one generate call: several batches, so continuous batching refills a finished
+        # sequence's slot instead of idling until the longest of a batch ends; results are saved per call
+        self.generate_chunk = GENERATE_WAVES * batch_size * dist.world
         self.kv_scheme = self.engine.kv_scheme
         # where the KV scheme came from: the artifact's recipe, or one given for this run (--kv)
         self.kv_source = None if self.kv_scheme is None else ("run" if kv_scheme is not None else "artifact")
