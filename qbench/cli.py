@@ -39,7 +39,8 @@ def _read_prompts(prompt: str | None, prompts_file: str | None) -> list[dict]:
     if not path.is_file():
         raise QBenchError(f"{path}: no such prompts file; give a JSONL file with one {{\"prompt\": ...}} per line")
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    from qbench.inputs import read_text
+    for n, line in enumerate(read_text(path, "prompts file").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -83,6 +84,8 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
     from qbench.engine.sampling import SamplingParams
 
     rows = _read_prompts(prompt, prompts_file)
+    if batch_size < 1:
+        raise QBenchError(f"--batch-size {batch_size}: must be a positive integer")
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=max_new_tokens,
                              stop=tuple(stop), seed=seed + i) for i in range(len(rows))]
     from qbench.quant.recipe import load_kv_scheme
@@ -136,6 +139,10 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
     """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
     from qbench.bench.runner import BenchConfig, run_bench
     from qbench.bench.table import render_table
+    from qbench.paths import check_output_file
+
+    if out_path:
+        check_output_file(Path(out_path), "qbench bench")  # before the long measurement
 
     if tp:
         from qbench.bench.scaleout import render_tp, run_tp_bench
@@ -166,8 +173,9 @@ def _emit(text: str, report: dict, out_path: str | None) -> None:
     """A bench's summary on stdout, and its JSON report at ``out_path`` (written atomically) when given."""
     click.echo(text)
     if out_path:
-        from qbench.paths import atomic_write_text
-        atomic_write_text(Path(out_path), json.dumps(report, indent=2) + "\n")
+        from qbench.paths import STAMP, atomic_write_text, check_output_file
+        check_output_file(Path(out_path), "qbench bench")
+        atomic_write_text(Path(out_path), json.dumps({STAMP: "qbench bench", **report}, indent=2) + "\n")
         click.echo(f"wrote {out_path}", err=True)
 
 
@@ -176,12 +184,13 @@ def _emit(text: str, report: dict, out_path: str | None) -> None:
 @click.option("--recipe", required=True, help="A recipe name from recipes/ (e.g. w4g128) or a YAML file.")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The artifact folder to write.")
 @click.option("--calibration-samples", type=int, help="Override the recipe's number of calibration windows (AWQ, GPTQ).")
-def quantize(model, recipe, out_dir, calibration_samples):
+@click.option("--force", is_flag=True, help="Replace an existing output of the same kind even if its files were changed since qbench wrote it (never a folder qbench did not write).")
+def quantize(model, recipe, out_dir, calibration_samples, force):
     """Quantize MODEL with a recipe into a self-describing artifact folder."""
     from qbench.quant.quantize import run_quantize
 
     m = run_quantize(model, recipe, Path(out_dir), log=lambda s: click.echo(s, err=True),
-                     calibration_samples=calibration_samples)
+                     calibration_samples=calibration_samples, force=force)
     size = m["size"]
     click.echo(f"wrote {out_dir}: {size['artifact_tensor_bytes'] / 2**20:.1f} MiB of tensors, "
                f"{size['bits_per_weight_all']:.3f} bits per weight over all tensors "
@@ -192,12 +201,13 @@ def quantize(model, recipe, out_dir, calibration_samples):
 @click.argument("artifact")
 @click.option("--format", "fmt", default="compressed-tensors", show_default=True,
               type=click.Choice(["compressed-tensors", "native"]))
-@click.option("--out", "out_dir", required=True, type=click.Path())
-def export(artifact, fmt, out_dir):
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="The folder to write.")
+@click.option("--force", is_flag=True, help="Replace an existing output of the same kind even if its files were changed since qbench wrote it (never a folder qbench did not write).")
+def export(artifact, fmt, out_dir, force):
     """Write ARTIFACT as safetensors that transformers and vLLM load (compressed-tensors), or as qbench's own."""
     from qbench.quant.export import run_export
 
-    click.echo(str(run_export(Path(artifact), fmt, Path(out_dir))))
+    click.echo(str(run_export(Path(artifact), fmt, Path(out_dir), force)))
 
 
 @cli.command(name="eval")
@@ -232,11 +242,12 @@ def eval_cmd(model, suite, out_dir, baseline, batch_size, kv, prefix_cache, dist
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The report folder, e.g. artifacts/demo.")
 @click.option("--baseline", type=click.Path(), help="The fp run (default: the one run made without a baseline).")
-def compare(runs, out_dir, baseline):
+@click.option("--force", is_flag=True, help="Replace an existing output of the same kind even if its files were changed since qbench wrote it (never a folder qbench did not write).")
+def compare(runs, out_dir, baseline, force):
     """Side-by-side report of eval RUNS: report.md, report.html (self-contained) and summary.json."""
     from qbench.report.compare import run_compare
 
-    out = run_compare([Path(r) for r in runs], Path(out_dir), None if baseline is None else Path(baseline))
+    out = run_compare([Path(r) for r in runs], Path(out_dir), None if baseline is None else Path(baseline), force)
     click.echo(f"wrote {out / 'report.md'}, {out / 'report.html'} and {out / 'summary.json'}")
 
 
@@ -249,6 +260,10 @@ def main(argv=None):
             traceback.print_exc()
         click.echo(f"qbench: error: {e}", err=True)
         sys.exit(e.exit_code)
+    except click.UsageError as e:  # a bad option or argument: one line too, with where to look
+        cmd = f" {e.ctx.info_name}" if e.ctx is not None and e.ctx.parent is not None else ""
+        click.echo(f"qbench: error: {e.format_message()} (see `qbench{cmd} --help`)", err=True)
+        sys.exit(2)
     except click.exceptions.Abort:
         click.echo("qbench: interrupted", err=True)
         sys.exit(130)

@@ -6,15 +6,16 @@ from pathlib import Path
 
 import yaml
 
+from qbench.inputs import read_text
+
 
 def read_mapping(path: Path, what: str, error) -> dict:
     """The YAML mapping in ``path``; ``error`` (an exception class) names the file and what went wrong."""
+    text = read_text(path, what, error)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise error(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    except OSError as e:
-        raise error(f"{path}: cannot read the {what} ({e.strerror})") from None
     if not isinstance(data, dict):
         raise error(f"{path}: a {what} is a YAML mapping")
     return data

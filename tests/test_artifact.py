@@ -176,12 +176,61 @@ def test_corrupt_and_foreign_safetensors_are_refused(tiny_models, tmp_path):
     run_quantize(str(folder), "w4g64", out, log=lambda s: None)
     good = (out / "model.safetensors").read_bytes()
     (out / "model.safetensors").write_bytes(good[: len(good) // 3])
+    with pytest.raises(QBenchError, match="sha256 is not the one qbench.json recorded"):
+        load_artifact(out)
+    rehash(out)  # a forged manifest that matches the damage: the header check still catches it
     with pytest.raises(QBenchError, match="corrupt entry"):
         load_artifact(out)
     save_file({"x": torch.zeros(3)}, str(out / "model.safetensors"))  # valid file, not ours
+    rehash(out)
     with pytest.raises(QBenchError, match="metadata does not match"):
         load_artifact(out)
     one_line_error(qbench("generate", str(out), "hi"), "metadata does not match")
+
+
+def rehash(folder):
+    """Record the files' current hashes in the manifest, as a forger would, to reach the checks behind."""
+    from qbench.paths import sha256_file
+    m = json.loads((folder / "qbench.json").read_text())
+    m["files_sha256"] = {k: sha256_file(folder / k) for k in m["files_sha256"]}
+    (folder / "qbench.json").write_text(json.dumps(m))
+
+
+def test_a_flipped_byte_in_the_weights_is_refused_at_load(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    out = tmp_path / "a"
+    run_quantize(str(folder), "w4g64", out, log=lambda s: None)
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-100] ^= 0x10  # inside the tensor data, not the header: it still parses and would load
+    (out / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(QBenchError, match="model.safetensors: its sha256 is not the one qbench.json recorded"):
+        load_artifact(out)
+    one_line_error(qbench("generate", str(out), "hi"), "sha256 is not the one")
+    one_line_error(qbench("export", str(out), "--out", str(tmp_path / "e")), "sha256 is not the one")
+    assert not (tmp_path / "e").exists()
+    m = json.loads((out / "qbench.json").read_text())
+    del m["files_sha256"]
+    (out / "qbench.json").write_text(json.dumps(m))
+    with pytest.raises(QBenchError, match="records no file hashes"):
+        load_artifact(out)
+
+
+@pytest.mark.parametrize("which, value", [(".scales", float("nan")), (".scales", float("inf")),
+                                          ("model.norm.weight", float("nan"))])
+def test_non_finite_scales_or_weights_are_refused_with_the_tensor_name(tiny_models, tmp_path, which, value):
+    from safetensors import safe_open
+    folder, _ = tiny_models["llama"]
+    out = tmp_path / "a"
+    run_quantize(str(folder), "w4g64", out, log=lambda s: None)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    name = "model.layers.1.mlp.down_proj.scales" if which == ".scales" else which
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, str(out / "model.safetensors"), metadata=meta)
+    rehash(out)  # even a file whose hash was recorded after the damage
+    with pytest.raises(QBenchError, match=f"tensor '{name}' holds NaN or infinite values"):
+        load_artifact(out)
+    one_line_error(qbench("generate", str(out), "hi"), "holds NaN or infinite values")
 
 
 def test_manifest_that_does_not_match_the_tensors_is_refused(tiny_models, tmp_path):

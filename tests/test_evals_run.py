@@ -134,7 +134,8 @@ def test_baseline_from_another_suite_or_seed_is_refused(tmp_path, smollm2):
     a = tmp_path / "a"
     other = suite(tmp_path, TINY.replace("seed: 7", "seed: 8"), "other.yaml")
     (a).mkdir()
-    (a / "results.json").write_text(json.dumps({"suite": {"name": "tiny", "hash": load_suite(other).hash, "seed": 8}}))
+    (a / "results.json").write_text(json.dumps({"suite": {"name": "tiny", "hash": load_suite(other).hash, "seed": 8},
+                                                    "subject": {}, "tasks": {}}))
     p = qbench("eval", SMOL, "--suite", s, "--out", str(tmp_path / "c"), "--baseline", str(a))
     assert p.returncode == 2 and "the baseline was made under suite 'tiny'" in p.stderr and "seed 8" in p.stderr
     assert not (tmp_path / "c").exists()

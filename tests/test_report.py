@@ -41,7 +41,8 @@ def test_the_report_holds_every_variants_numbers_from_the_records(runs, tmp_path
     out = tmp_path / "report"
     p = qbench("compare", str(runs / "k4v2"), str(runs / "fp"), str(runs / "kv4"), "--out", str(out))
     assert p.returncode == 0, p.stderr
-    assert sorted(x.name for x in out.iterdir()) == ["figures", "report.html", "report.md", "summary.json"]
+    assert sorted(x.name for x in out.iterdir()) == [".qbench-output.json", "figures", "report.html", "report.md",
+                                                     "summary.json"]
     s = json.loads((out / "summary.json").read_text())
     names = [v["name"] for v in s["variants"]]
     assert names == ["fp32", "fp32 + KV K4V2 G16 R16", "fp32 + KV K4V4 G16 R16"], names  # baseline first
@@ -86,7 +87,7 @@ def test_runs_under_another_suite_or_seed_are_refused(runs, tmp_path):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     p = qbench("compare", str(runs / "fp"), "--out", str(tmp_path / "busy"))
-    assert p.returncode == 2 and "not a compare report" in p.stderr
+    assert p.returncode == 2 and "is not an output qbench wrote" in p.stderr
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"
 
 

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 
 from qbench.errors import QBenchError
+from qbench.inputs import read_json_object, read_text
 from qbench.evals.invariance import compare_runs, same_subject
 from qbench.evals.store import RunStore
-from qbench.evals.suite import Suite, load_suite
+from qbench.evals.suite import DATA_FIELDS, Suite, load_suite
 from qbench.kernels.build import machine
 from qbench.paths import atomic_write_text
 
@@ -46,10 +47,12 @@ def read_record(path: Path, fix: str) -> dict:
     res = Path(path) / "results.json"
     if not res.is_file():
         raise QBenchError(f"{path}: not a finished qbench eval run (no results.json); {fix}")
-    try:
-        return json.loads(res.read_text())
-    except json.JSONDecodeError as e:
-        raise QBenchError(f"{res}: not valid JSON ({e}); {fix}") from None
+    rec = read_json_object(res, "run record")
+    for key in ("suite", "subject", "tasks"):
+        if not isinstance(rec.get(key), dict):
+            raise QBenchError(f"{res}: the run record has no {key!r} mapping; it was not written by qbench eval or "
+                              f"was damaged; {fix}")
+    return rec
 
 
 def read_baseline(path: Path, suite: Suite) -> dict:
@@ -68,9 +71,13 @@ def check_data_files(suite: Suite) -> None:
     from qbench.evals.data import DataError, resolve
     offline = os.environ.get("HF_HUB_OFFLINE") == "1"
     for name, cfg in suite.tasks.items():
-        for field in ("data", "train_data", "haystack"):
+        for field in DATA_FIELDS:
             spec = getattr(cfg, field, None)
-            if not spec or resolve(spec) is not None:
+            path = resolve(spec) if spec else None
+            if path is not None:
+                read_text(path, "data file", DataError)  # a decoding error named now, not mid-run
+                continue
+            if not spec:
                 continue
             if offline or spec.endswith((".jsonl", ".json", ".txt", ".raw")):
                 raise DataError(f"{suite.path}: tasks.{name}.{field}: data file {spec} not found; give a local "
@@ -87,8 +94,11 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     from qbench.quant.quantize import versions
     from qbench.quant.recipe import load_kv_scheme
 
+    if batch_size is not None and batch_size < 1:
+        raise QBenchError(f"--batch-size {batch_size}: must be a positive integer")
     suite = load_suite(suite_path)
     check_data_files(suite)
+    check_run_folder(Path(out))
     base = None if baseline is None else read_baseline(baseline, suite)
     bs = batch_size or suite.batch_size
     dist = Dist.from_env(required=distributed)
@@ -125,17 +135,25 @@ def _quiet(*_a, **_k) -> None:
     pass
 
 
+def check_run_folder(out: Path) -> None:
+    """Before any work: ``out`` is new, empty, or a run folder (resumed if it was made by the same command)."""
+    for p in out.parents:
+        if p.exists() and not p.is_dir():
+            raise QBenchError(f"{out}: {p} is a file, so no folder can be made under it; choose another --out")
+    if out.exists() and not (out / "run.json").is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise QBenchError(f"{out}: exists and is not a qbench eval run; choose another --out")
+
+
 def _claim(out: Path, header: dict) -> None:
     """Start a run folder, or resume one made by the same command; refuse one made by another."""
     run = out / "run.json"
     if run.is_file():
-        old = json.loads(run.read_text())
+        old = read_json_object(run, "run header")
         keep = ("suite", "subject", "baseline", "batch_size", "prefix_cache")
         if {k: old.get(k) for k in keep} != {k: header.get(k) for k in keep}:
             raise QBenchError(f"{out}: holds a run of another model, suite, baseline, batch size or prefix-cache "
                               f"setting; choose another "
                               f"--out or delete it")
         return
-    if out.exists() and any(out.iterdir()):
-        raise QBenchError(f"{out}: exists and is not a qbench eval run; choose another --out")
+    check_run_folder(out)
     atomic_write_text(run, json.dumps(header, indent=2, sort_keys=True) + "\n")

@@ -15,6 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from qbench.errors import QBenchError
+from qbench.paths import user_umask
+
 
 class RunStore:
     def __init__(self, root: Path, write: bool = True):
@@ -41,8 +44,14 @@ class RunStore:
             return
         path = self.jsonl(task)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec, sort_keys=True) + "\n")
+        with open(path, "a+b") as f:
+            # an interrupt can leave a torn last line: start on a fresh line, or this record would join it
+            # and be lost with it on the next resume
+            torn = False
+            if f.seek(0, os.SEEK_END) > 0:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+            f.write((("\n" if torn else "") + json.dumps(rec, sort_keys=True) + "\n").encode("utf-8"))
             f.flush()
             os.fsync(f.fileno())
 
@@ -51,7 +60,13 @@ class RunStore:
 
     def load_part(self, task: str, key: str) -> dict[str, torch.Tensor] | None:
         p = self.part(task, key)
-        return load_file(str(p)) if p.is_file() else None
+        if not p.is_file():
+            return None
+        try:
+            return load_file(str(p))
+        except Exception as e:  # safetensors raises its own error type for a damaged file
+            raise QBenchError(f"{p}: damaged ({str(e).splitlines()[0][:100]}); delete it and run the same "
+                              f"`qbench eval` again to recompute it") from None
 
     def save_part(self, task: str, key: str, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
         if not self.write:
@@ -62,6 +77,7 @@ class RunStore:
         os.close(fd)
         try:
             save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=meta)
+            os.chmod(tmp, 0o666 & ~user_umask())  # mkstemp made it 0600
             os.replace(tmp, p)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -15,14 +15,19 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 from qbench.errors import QBenchError
+from qbench.inputs import check_fields
 from qbench.yamlfile import read_mapping
 
 
 class SuiteError(QBenchError):
     pass
+
+
+DATA_FIELDS = ("data", "train_data", "haystack")  # task fields that name a data file
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,26 @@ class Suite:
 
     def to_dict(self) -> dict:
         return {"name": self.name, "seed": self.seed, "batch_size": self.batch_size, "sized_for": self.sized_for,
-                "tasks": {k: asdict(v) for k, v in self.tasks.items()}}
+                "tasks": {k: asdict(v) for k, v in self.tasks.items()}, "data_sha256": self.data_sha256}
+
+    @cached_property
+    def data_sha256(self) -> dict[str, str | None]:
+        """task.field -> sha256 of the data file it names (None: not a local file, e.g. a hub name)."""
+        from qbench.evals.data import resolve
+        from qbench.paths import sha256_file
+        out = {}
+        for name, cfg in self.tasks.items():
+            for field in DATA_FIELDS:
+                spec = getattr(cfg, field, None)
+                if spec:
+                    path = resolve(spec)
+                    out[f"{name}.{field}"] = None if path is None else sha256_file(path)
+        return out
 
     @property
     def hash(self) -> str:
-        """What the baseline and the candidate must share: tasks, sizes and seed (not the batch size)."""
+        """What the baseline and the candidate must share: tasks, sizes, seed and the contents of every
+        data file (not the batch size): a baseline made before a data file changed is refused."""
         d = self.to_dict()
         d.pop("batch_size")
         d.pop("sized_for")
@@ -58,12 +78,10 @@ def build_config(cls, raw, where: str, section: str):
         obj = cls(**raw)
     except TypeError as e:
         raise SuiteError(f"{where}: {section}: {e}") from None
+    check_fields(obj, where, section, SuiteError)
     for f in fields(cls):
-        v, default = getattr(obj, f.name), f.default
-        if isinstance(default, bool) and not isinstance(v, bool):
-            raise SuiteError(f"{where}: {section}.{f.name}: {v!r} must be true or false")
-        if isinstance(default, int) and not isinstance(default, bool) and (not isinstance(v, int) or
-                                                                          isinstance(v, bool) or v < 0):
+        v = getattr(obj, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and v < 0:
             raise SuiteError(f"{where}: {section}.{f.name}: {v!r} must be an integer >= 0")
     check = getattr(obj, "validate", None)
     if check is not None:

@@ -101,6 +101,10 @@ class LazyTensors:
             if fh.readinto(memoryview(buf.numpy())) != e - b:
                 raise QBenchError(f"{f}: tensor {name!r} is truncated; re-create the file")
         t = buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            # a NaN scale or weight does not crash: it silently generates garbage (token 0 repeated)
+            raise QBenchError(f"{f}: tensor {name!r} holds NaN or infinite values; the file is damaged, or the "
+                              f"model that made it diverged: re-create it")
         return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype and not keep_dtype else t
 
 

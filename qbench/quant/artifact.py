@@ -3,7 +3,8 @@
     DIR/model.safetensors  packed integer weights + fp tensors, Hugging Face tensor names
     DIR/config.json        the source model's config
     DIR/tokenizer*         the source tokenizer
-    DIR/qbench.json        the manifest: recipe, source sha256, versions, seed, sizes, per-layer errors
+    DIR/qbench.json        the manifest: recipe, source sha256, versions, seed, sizes, per-layer errors, and
+                           the sha256 of every other file, checked on every load
 
 A quantized projection NAME is stored as NAME.qweight (INT4: uint8 (N, K_pad/2), two codes per byte,
 even index in the low nibble; INT8: int8 (N, K)), NAME.scales (fp16) and NAME.zeros (uint8, asymmetric
@@ -22,9 +23,11 @@ from safetensors.torch import save_file
 
 from qbench import __version__
 from qbench.errors import QBenchError
+from qbench.inputs import read_json_object
 from qbench.models.base import CausalLM
 from qbench.models.config import ModelConfig
 from qbench.models.weights import LazyTensors, Weights, read_header
+from qbench.paths import sha256_file
 from qbench.quant.primitives import QTensor, pack_int4, padded_width, storage_bytes, unpack_int4
 from qbench.quant.qlinear import make_qlinear
 
@@ -119,8 +122,26 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
     for f in TOKENIZER_FILES:
         if (source / f).is_file():
             shutil.copy(source / f, out_dir / f)
+    # what loading checks: a flipped byte anywhere in the weights or config is refused, not run
+    manifest["files_sha256"] = {f.name: sha256_file(f) for f in sorted(out_dir.iterdir())
+                                if f.is_file() and f.name != MANIFEST}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def verify_files(folder: Path, manifest: dict) -> None:
+    """Every file the artifact's manifest lists has the sha256 recorded when it was written."""
+    recorded = manifest.get("files_sha256")
+    if not isinstance(recorded, dict) or "model.safetensors" not in recorded:
+        raise QBenchError(f"{folder}: {MANIFEST} records no file hashes (an artifact from an older qbench), so its "
+                          f"weights cannot be verified; re-create it with `qbench quantize`")
+    for name, digest in sorted(recorded.items()):
+        path = Path(folder) / name
+        if not path.is_file():
+            raise QBenchError(f"{path}: missing, but {MANIFEST} lists it; re-create the artifact")
+        if sha256_file(path) != digest:
+            raise QBenchError(f"{path}: its sha256 is not the one {MANIFEST} recorded: the file was changed or "
+                              f"damaged after qbench wrote it; re-create the artifact")
 
 
 def source_parameters(src: LazyTensors) -> int:
@@ -131,12 +152,20 @@ def source_parameters(src: LazyTensors) -> int:
 
 def read_manifest(folder: Path) -> dict:
     path = Path(folder) / MANIFEST
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise QBenchError(f"{path}: unreadable manifest ({e}); re-create the artifact with `qbench quantize`") from None
+    m = read_json_object(path, "artifact manifest")
     if m.get("format") != FORMAT:
         raise QBenchError(f"{path}: format {m.get('format')!r} is not {FORMAT!r}; re-create the artifact")
+    shapes = {"scheme": (dict, type(None)), "quantized": (dict,), "kv": (dict, type(None)),
+              "embedding": (dict, type(None)), "files_sha256": (dict,), "recipe": (dict,)}
+    for key, types in shapes.items():
+        if key in m and not isinstance(m[key], types):
+            raise QBenchError(f"{path}: {key} is a {type(m[key]).__name__}, which qbench never writes there; the "
+                              f"manifest was edited or damaged: re-create the artifact")
+    for name, info in m.get("quantized", {}).items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 2 and all(type(x) is int and x > 0 for x in shape)):
+            raise QBenchError(f"{path}: quantized.{name} has no [N, K] shape; the manifest was edited or damaged: "
+                              f"re-create the artifact")
     return m
 
 
@@ -235,6 +264,7 @@ def load_artifact(folder: Path, dtype: torch.dtype = torch.float32, shard=None) 
 
     folder = Path(folder)
     manifest = read_manifest(folder)
+    verify_files(folder, manifest)
     header, _ = read_header(folder / "model.safetensors")
     meta = header.get("__metadata__") or {}
     if meta.get("format") != FORMAT or json.loads(meta.get("scheme", "null")) != manifest.get("scheme"):

@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 
 from qbench.errors import QBenchError
 from qbench.models.weights import LazyTensors
-from qbench.paths import atomic_dir
-from qbench.quant.artifact import MANIFEST, TOKENIZER_FILES, QuantFactory, read_manifest
+from qbench.paths import MARKER, atomic_dir, check_output
+from qbench.quant.artifact import MANIFEST, TOKENIZER_FILES, QuantFactory, read_manifest, verify_files
 from qbench.quant.primitives import QTensor
 
 FORMATS = ("compressed-tensors", "native")
@@ -69,17 +69,19 @@ def ct_tensors(name: str, q: QTensor) -> tuple[dict[str, torch.Tensor], int | No
     return t, g
 
 
-def run_export(artifact: Path, fmt: str, out: Path) -> Path:
+def run_export(artifact: Path, fmt: str, out: Path, force: bool = False) -> Path:
     artifact, out = Path(artifact), Path(out)
     if fmt not in FORMATS:
         raise QBenchError(f"unknown export format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if not (artifact / MANIFEST).is_file():
         raise QBenchError(f"{artifact}: not a qbench artifact (no {MANIFEST}); make one with `qbench quantize`")
+    check_output(out, "export", force)
     manifest = read_manifest(artifact)
+    verify_files(artifact, manifest)
     if fmt == "native":
-        with atomic_dir(out) as tmp:
+        with atomic_dir(out, "export", force) as tmp:
             for f in artifact.iterdir():
-                if f.is_file():
+                if f.is_file() and f.name != MARKER:
                     shutil.copy(f, tmp / f.name)
         return out
     scheme = manifest.get("scheme")
@@ -119,7 +121,7 @@ def run_export(artifact: Path, fmt: str, out: Path) -> Path:
         "config_groups": config_groups, "ignore": ["lm_head"] if "lm_head" not in manifest["quantized"] else [],
         "kv_cache_scheme": None, "global_compression_ratio": None,
     }
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "export", force) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for f in TOKENIZER_FILES:

@@ -15,7 +15,7 @@ from qbench.errors import QBenchError
 from qbench.layers.kvquant import kv_memory
 from qbench.models.weights import weight_files
 from qbench.models.zoo import SOURCE_FILE, resolve_model, sha256_file
-from qbench.paths import atomic_dir
+from qbench.paths import atomic_dir, check_output
 from qbench.quant.apply import check_recipe, quantize_model
 from qbench.quant.artifact import is_artifact, save_artifact
 from qbench.quant.calibration import calibration_windows
@@ -50,7 +50,8 @@ def source_sha256(folder: Path) -> str:
     return ",".join(tensors_sha256(f) for f in weight_files(folder))
 
 
-def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibration_samples: int | None = None) -> dict:
+def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibration_samples: int | None = None,
+                 force: bool = False) -> dict:
     from qbench.engine.api import load_tokenizer
     from qbench.models.registry import load_model
 
@@ -66,8 +67,7 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
     if is_artifact(folder):
         raise QBenchError(f"{model_spec}: already a quantized artifact; quantize the fp source model instead")
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not is_artifact(out):
-        raise QBenchError(f"{out}: exists and is not a qbench artifact; choose another --out")
+    check_output(out, "artifact", force)  # before the long work, and again before the rename
     model = load_model(folder, torch.float32)
     if recipe.kv is not None:
         try:
@@ -103,7 +103,7 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
         "kv": None if recipe.kv is None else dict(recipe.kv.to_dict(), memory=kv_memory(
             recipe.kv, model.config.num_layers, model.config.num_kv_heads, model.config.head_dim)),
     }
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "artifact", force) as tmp:
         manifest = save_artifact(model, folder, tmp, scheme, {} if result is None else result.qtensors, manifest,
                                  None if result is None else result.embedding)
     return manifest

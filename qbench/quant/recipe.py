@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from qbench.errors import QBenchError
+from qbench.inputs import check_fields
 from qbench.layers.kvquant import KVScheme
 from qbench.quant.primitives import GROUP_SIZES
 from qbench.yamlfile import read_mapping
@@ -161,8 +162,8 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
     for section, cls in SECTIONS.items():
         if data.get(section) is None:
             continue
+        _check_keys(where, section, data[section], cls)
         raw = dict(data[section])
-        _check_keys(where, section, raw, cls)
         if "skip" in raw:
             if not isinstance(raw["skip"], list) or not all(isinstance(x, str) for x in raw["skip"]):
                 raise RecipeError(f"{where}: {section}.skip: {raw['skip']!r} must be a list of module-name substrings")
@@ -170,10 +171,12 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
         if section == "weights" and isinstance(raw.get("lm_head"), dict):
             _check_keys(where, "weights.lm_head", raw["lm_head"], HeadScheme)
             raw["lm_head"] = HeadScheme(**raw["lm_head"])
+            check_fields(raw["lm_head"], where, "weights.lm_head", RecipeError)
         try:
             obj = cls(**raw)
         except TypeError as e:
             raise RecipeError(f"{where}: {section}: {e}") from None
+        check_fields(obj, where, section, RecipeError)
         obj.validate(where)
         kwargs[section] = obj
     if data.get("kv") is not None:
@@ -184,9 +187,11 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
 def kv_from_dict(raw, where: str) -> KVScheme:
     _check_keys(where, "kv", raw, KVScheme)
     try:
-        return KVScheme(**raw)
+        kv = KVScheme(**raw)
     except (TypeError, ValueError) as e:
         raise RecipeError(f"{where}: {e}") from None
+    check_fields(kv, where, "kv", RecipeError)
+    return kv
 
 
 def load_kv_scheme(spec: str) -> KVScheme:

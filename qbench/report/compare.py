@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qbench.errors import QBenchError
-from qbench.paths import atomic_dir
+from qbench.paths import atomic_dir, check_output
 from qbench.report import figures as fig
 from qbench.report.collect import collect
 from qbench.report.render import markdown, page
@@ -25,16 +24,14 @@ def make_figures(variants, summary: dict) -> dict[str, bytes]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def run_compare(runs: list[Path], out: Path, baseline: Path | None = None) -> Path:
+def run_compare(runs: list[Path], out: Path, baseline: Path | None = None, force: bool = False) -> Path:
     out = Path(out)
-    visible = [p for p in out.iterdir() if not p.name.startswith(".")] if out.is_dir() else []
-    if out.exists() and (not out.is_dir() or (visible and not (out / "summary.json").is_file())):
-        raise QBenchError(f"{out}: exists and is not a compare report; choose a new --out folder")
+    check_output(out, "report", force)
     variants = collect(runs, baseline)
     summary = build(variants)
     pngs = make_figures(variants, summary)
     summary["figures"] = sorted(pngs)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, "report", force) as tmp:
         (tmp / "figures").mkdir()
         for name, data in pngs.items():
             (tmp / "figures" / f"{name}.png").write_bytes(data)
