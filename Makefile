@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # The main job, on the model that can do the tasks: Qwen2.5-Coder-0.5B-Instruct with evals/qwen.yaml (GSM8K-CoT
-# in the chat format on 300 items, needle at 4k and 8k tokens, KLD, PPL). Variants: w8, w4g128 (RTN), the same
+# in the chat format on 300 items, needle at 4k tokens, KLD, PPL). Variants: w8, w4g128 (RTN), the same
 # with an INT8 head and INT8 embedding (h8e8), w4g128-awq, and the fp weights with a K4V4 cache. The report goes
 # to artifacts/demo (committed); scripts/demo.sh prints the time of every step.
 demo: $(STAMP)
