@@ -12,6 +12,11 @@ import click
 from qbench.errors import QBenchError
 
 
+# quantize, export and compare: what --force may replace is decided by qbench.paths.check_output
+force_option = click.option("--force", is_flag=True, help="Replace an existing output of the same kind even if its "
+                            "files were changed since qbench wrote it (never a folder qbench did not write).")
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
 @click.pass_context
@@ -184,7 +189,7 @@ def _emit(text: str, report: dict, out_path: str | None) -> None:
 @click.option("--recipe", required=True, help="A recipe name from recipes/ (e.g. w4g128) or a YAML file.")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The artifact folder to write.")
 @click.option("--calibration-samples", type=int, help="Override the recipe's number of calibration windows (AWQ, GPTQ).")
-@click.option("--force", is_flag=True, help="Replace an existing output of the same kind even if its files were changed since qbench wrote it (never a folder qbench did not write).")
+@force_option
 def quantize(model, recipe, out_dir, calibration_samples, force):
     """Quantize MODEL with a recipe into a self-describing artifact folder."""
     from qbench.quant.quantize import run_quantize
@@ -202,7 +207,7 @@ def quantize(model, recipe, out_dir, calibration_samples, force):
 @click.option("--format", "fmt", default="compressed-tensors", show_default=True,
               type=click.Choice(["compressed-tensors", "native"]))
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The folder to write.")
-@click.option("--force", is_flag=True, help="Replace an existing output of the same kind even if its files were changed since qbench wrote it (never a folder qbench did not write).")
+@force_option
 def export(artifact, fmt, out_dir, force):
     """Write ARTIFACT as safetensors that transformers and vLLM load (compressed-tensors), or as qbench's own."""
     from qbench.quant.export import run_export
@@ -242,7 +247,7 @@ def eval_cmd(model, suite, out_dir, baseline, batch_size, kv, prefix_cache, dist
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The report folder, e.g. artifacts/demo.")
 @click.option("--baseline", type=click.Path(), help="The fp run (default: the one run made without a baseline).")
-@click.option("--force", is_flag=True, help="Replace an existing output of the same kind even if its files were changed since qbench wrote it (never a folder qbench did not write).")
+@force_option
 def compare(runs, out_dir, baseline, force):
     """Side-by-side report of eval RUNS: report.md, report.html (self-contained) and summary.json."""
     from qbench.report.compare import run_compare

@@ -58,6 +58,13 @@ def _listing(root: Path) -> dict[str, int]:
     return out
 
 
+def refuse_file_above(path: Path) -> None:
+    """No folder can be made at ``path`` if one of its parents is a file: say so before any work."""
+    for p in Path(path).parents:
+        if p.exists() and not p.is_dir():
+            raise OutputError(f"{path}: {p} is a file, so no folder can be made under it; choose another --out")
+
+
 def _refuse_always(final: Path) -> None:
     """Folders no --force can make qbench replace."""
     if final.is_symlink():
@@ -78,9 +85,7 @@ def check_output(final: Path, kind: str, force: bool = False) -> None:
     any long work, and again just before the rename."""
     assert kind in KINDS, kind
     final = Path(final)
-    for p in [final, *final.parents]:
-        if p.exists() and not p.is_dir() and p != final:
-            raise OutputError(f"{final}: {p} is a file, so no folder can be made under it; choose another --out")
+    refuse_file_above(final)
     _refuse_always(final)
     if not final.exists() or not any(final.iterdir()):
         return
@@ -117,9 +122,7 @@ STAMP = "written_by"  # the key a single-file JSON output (a bench report) carri
 def check_output_file(path: Path, writer: str) -> None:
     """Refuse to overwrite ``path`` unless it is a JSON report that ``writer`` (e.g. "qbench bench") wrote."""
     path = Path(path)
-    for p in path.parents:
-        if p.exists() and not p.is_dir():
-            raise OutputError(f"{path}: {p} is a file, so nothing can be written under it; choose another --out")
+    refuse_file_above(path)
     if path.is_dir():
         raise OutputError(f"{path}: is a folder; give a file path for --out")
     if path.exists():

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from qbench.errors import QBenchError
+from qbench.inputs import read_text
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,6 @@ def load_text(spec: str, where: str) -> str:
     if path is None:
         raise DataError(f"{where}: data file {spec} not found; give a local text file (e.g. "
                         f"evals/data/wikitext-2-raw/wiki.test.raw)")
-    from qbench.inputs import read_text
     read_text(path, "data file", DataError)  # datasets' own decoding error does not say where
     datasets = _quiet()
     try:
@@ -73,7 +73,6 @@ def load_jsonl(spec: str, where: str, required: tuple[str, ...] = ()) -> list[di
 def _check_jsonl(path: Path, where: str, required: tuple[str, ...]) -> None:
     """Name the bad line ourselves: datasets' own errors do not say where."""
     import json
-    from qbench.inputs import read_text
     for i, line in enumerate(read_text(path, "data file", DataError).splitlines(), 1):
         if not line.strip():
             continue

@@ -25,7 +25,7 @@ from qbench.evals.invariance import compare_runs, same_subject
 from qbench.evals.store import RunStore
 from qbench.evals.suite import DATA_FIELDS, Suite, load_suite
 from qbench.kernels.build import machine
-from qbench.paths import atomic_write_text
+from qbench.paths import atomic_write_text, refuse_file_above
 
 
 @dataclass
@@ -137,9 +137,7 @@ def _quiet(*_a, **_k) -> None:
 
 def check_run_folder(out: Path) -> None:
     """Before any work: ``out`` is new, empty, or a run folder (resumed if it was made by the same command)."""
-    for p in out.parents:
-        if p.exists() and not p.is_dir():
-            raise QBenchError(f"{out}: {p} is a file, so no folder can be made under it; choose another --out")
+    refuse_file_above(out)
     if out.exists() and not (out / "run.json").is_file() and (not out.is_dir() or any(out.iterdir())):
         raise QBenchError(f"{out}: exists and is not a qbench eval run; choose another --out")
 
