@@ -98,3 +98,97 @@ def qwen():
     minute and 480 MB of downloads on a fresh machine)."""
     from qbench.models.zoo import pull
     return Path(pull(QWEN, log=lambda m: None))
+
+
+# ---- which kernel paths the run exercised --------------------------------------------------------------
+# A case that cannot run here must say so as a skip; and the run says, at the end, which paths it actually
+# took. Native calls are counted in this process (subprocess tests are not), by kernel family and, for the
+# integer GEMMs, by the instruction set the library dispatched to. With QBENCH_REQUIRE_NATIVE=1 (.ci/run)
+# a run on a machine that builds the kernels fails when a path this CPU supports ran no case.
+
+_INT_GEMMS = ("qb_gemm_i8", "qb_gemm_i4")
+_PATH_CALLS: dict[str, int] = {}
+_PATH_TESTS: dict[str, set] = {}
+_current_test = [""]
+
+
+def _path_of(name: str, dll) -> str | None:
+    if name in _INT_GEMMS:
+        return "native int8/int4 GEMM, AVX-512 VNNI" if dll.qb_isa() == 512 else "native int8/int4 GEMM, AVX2"
+    if name.startswith("qb_") and name not in ("qb_isa", "qb_set_isa"):
+        return "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
+    return None
+
+
+def _record(path_name: str) -> None:
+    _PATH_CALLS[path_name] = _PATH_CALLS.get(path_name, 0) + 1
+    _PATH_TESTS.setdefault(path_name, set()).add(_current_test[0])
+
+
+class _CountingLibrary:
+    """The kernels' CDLL, counting each call by the path it takes."""
+
+    def __init__(self, dll):
+        self._dll = dll
+
+    def __getattr__(self, name):
+        fn = getattr(self._dll, name)
+        if _path_of(name, self._dll) is None:
+            return fn
+
+        def call(*args):
+            _record(_path_of(name, self._dll))
+            return fn(*args)
+        return call
+
+
+def pytest_configure(config):
+    from qbench.kernels import ops
+    real = build.load
+    if real() is not None:
+        counting = _CountingLibrary(real())
+        build.load = ops.load = lambda: counting
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    _current_test[0] = item.nodeid
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("path") == "torch" or params.get("impl") in ("aten", "aten-bf16", "reference"):
+        _record("torch path (kernels off, aten, aten-bf16 or reference)")
+    try:
+        return (yield)
+    finally:
+        _current_test[0] = ""
+
+
+def _missing_paths() -> list[str]:
+    """Paths this machine supports that no case took."""
+    lib = build.load()
+    if lib is None:
+        return []
+    want = ["native int8/int4 GEMM, AVX2", "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"]
+    if lib._dll.qb_isa() == 512:
+        want.append("native int8/int4 GEMM, AVX-512 VNNI")
+    return [p for p in want if not _PATH_CALLS.get(p)]
+
+
+def pytest_terminal_summary(terminalreporter):
+    tr = terminalreporter
+    cpu, flags = build.cpu_info()
+    tr.section("kernel paths exercised")
+    tr.write_line(f"this machine: {cpu} ({', '.join(build.machine()['cpu_flags']) or 'no AVX2'}); native kernels "
+                  f"{'built' if build.available() else 'not built: every quantized linear ran on torch'}")
+    for p in sorted(_PATH_CALLS):
+        calls = "" if p.startswith("torch") else f"{_PATH_CALLS[p]:,} calls in "
+        tr.write_line(f"  {p}: {calls}{len(_PATH_TESTS[p]):,} tests")
+    for p in _missing_paths():
+        tr.write_line(f"  {p}: NOT EXERCISED")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    missing = _missing_paths()
+    if missing and os.environ.get("QBENCH_REQUIRE_NATIVE") and session.testscollected:
+        session.exitstatus = 1
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"\nQBENCH_REQUIRE_NATIVE: the native kernels are built here but no case ran {'; '.join(missing)}")

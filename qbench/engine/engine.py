@@ -65,6 +65,9 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.stats = StepStats()
         self.observer = None  # called as observer(scheduler, step) once each step is scheduled
+        # tests: keep the logits of every position each forward computes (prefill chunks, prefix-cache hits,
+        # recomputes after preemption, decodes) in Sequence.trace, to hold them against one whole forward
+        self.trace_logits = False
         self.cache: RadixCache | None = None
         # A quantized cache with a residual window of one block quantizes each block once it is full,
         # from its own tokens only, so full blocks are immutable and prefill chunks that end on block
@@ -165,13 +168,22 @@ class Engine:
                 t0 = time.perf_counter()
                 logits = self.runner.decode(step.decodes)
                 self.stats.decode_s.append(time.perf_counter() - t0)
+                if self.trace_logits:
+                    for i, s in enumerate(step.decodes):
+                        _trace(s, len(s) - 1, logits[i: i + 1])
                 self.stats.decode_batch.append(len(step.decodes))
                 self._append(sched, step.decodes, logits)
             if step.prefills:
                 seqs_p = [s for s, _ in step.prefills]
                 t0 = time.perf_counter()
-                logits = self.runner.prefill(seqs_p, lengths=[n for _, n in step.prefills])
+                starts = [s.num_cached for s in seqs_p]
+                lengths = [n for _, n in step.prefills]
+                logits = self.runner.prefill(seqs_p, lengths=lengths, all_logits=self.trace_logits)
                 self.stats.prefill_s.append(time.perf_counter() - t0)
+                if self.trace_logits:  # (B, T, V) -> each chunk's rows, then its last row as usual
+                    for i, (s, n) in enumerate(zip(seqs_p, lengths)):
+                        _trace(s, starts[i], logits[i, :n])
+                    logits = logits[torch.arange(len(seqs_p)), torch.tensor(lengths) - 1]
                 self.stats.prefill_tokens.append(sum(n for _, n in step.prefills))
                 ready, rows = [], []
                 for i, s in enumerate(seqs_p):
@@ -225,3 +237,9 @@ class Engine:
             if s.finished:
                 s.t_done = now
                 sched.finish(s)
+
+
+def _trace(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    if seq.trace is None:
+        seq.trace = []
+    seq.trace.append((start, logits.detach().clone()))

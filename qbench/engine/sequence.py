@@ -31,6 +31,7 @@ class Sequence:
     t_done: float | None = None  # perf_counter when it finished
     finish_reason: str | None = None
     text: str = ""
+    trace: list | None = None  # (first position, logits (n, V)) per forward, when the engine traces logits
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self):

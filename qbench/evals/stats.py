@@ -71,7 +71,8 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     d = 1 + z * z / n
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, c - h), min(1.0, c + h)
+    # at 0 and n successes the bound is exactly 0 or 1; the formula leaves a rounding residue there
+    return 0.0 if k == 0 else max(0.0, c - h), 1.0 if k == n else min(1.0, c + h)
 
 
 def mcnemar_exact(base, cand) -> dict:
@@ -81,8 +82,19 @@ def mcnemar_exact(base, cand) -> dict:
     b = int((base & ~cand).sum())  # right before, wrong now
     c = int((~base & cand).sum())
     p = 1.0 if b + c == 0 else float(binomtest(b, b + c, 0.5).pvalue)
-    return {"base_only": b, "candidate_only": c, "p_value": p, "significant": p < 0.05,
-            "mde": mcnemar_mde(base.size, b + c)}
+    return {"base_only": b, "candidate_only": c, "p_value": p, "p_mid": mcnemar_mid_p(b, c),
+            "significant": p < 0.05, "mde": mcnemar_mde(base.size, b + c)}
+
+
+def mcnemar_mid_p(b: int, c: int) -> float:
+    """The mid-p McNemar test (Fagerland, Lydersen and Laake 2013): the exact test's p less the probability of
+    the observed table, 2 [P(X <= m) - P(X = m) / 2] with X ~ Bin(b + c, 1/2) and m = min(b, c). Less
+    conservative than the exact test; the verdict stays with the exact p, this is reported beside it."""
+    from scipy.stats import binom
+    if b + c == 0:
+        return 1.0
+    m = min(b, c)
+    return float(min(1.0, 2 * (binom.cdf(m, b + c, 0.5) - 0.5 * binom.pmf(m, b + c, 0.5))))
 
 
 def mcnemar_power(n: int, discordance: float, delta: float, alpha: float = 0.05) -> float:
