@@ -15,8 +15,10 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from conftest import _tiny
+from qbench.layers.attention import AttnMetadata
 from qbench.quant.artifact import load_artifact
 from qbench.quant.quantize import run_quantize
 
@@ -169,16 +171,21 @@ def _effective_weight(module, k: int) -> np.ndarray:
     return y.t().numpy()
 
 
+def _quantized(src, weights: dict, tmp_path):
+    """qbench quantize with a recipe of these weights (RTN), then load -> (model, manifest)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"name": "fidelity", "weights": {"method": "rtn", **weights}}))
+    run_quantize(str(src), str(recipe), tmp_path / "art", log=lambda s: None)
+    return load_artifact(tmp_path / "art")
+
+
 # ---- the tests ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_loaded_weights_equal_the_scheme_applied_to_the_source(sources, tmp_path, case, path):
     family, weights = case
     src = sources[family]
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "fidelity", "weights": {"method": "rtn", **weights}}))
-    run_quantize(str(src), str(recipe), tmp_path / "art", log=lambda s: None)
-    model, manifest = load_artifact(tmp_path / "art")
+    model, manifest = _quantized(src, weights, tmp_path)
     state = load_file(str(src / "model.safetensors"))
     tied = "lm_head.weight" not in state
     head_scheme = _head_scheme(weights)
@@ -217,7 +224,6 @@ def test_loaded_weights_equal_the_scheme_applied_to_the_source(sources, tmp_path
 
 def _reference_model(src, family: str, weights: dict):
     """transformers' model in float64 with every weight replaced by the reference scheme's values."""
-    from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=torch.float64).eval()
     head_scheme = _head_scheme(weights)
     emb = weights.get("embedding", "fp32")
@@ -250,14 +256,9 @@ def _kld(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
 def test_model_logits_equal_transformers_with_reference_weights(sources, tmp_path, case, path):
     family, weights = case
     src = sources[family]
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({"name": "fidelity", "weights": {"method": "rtn", **weights}}))
-    run_quantize(str(src), str(recipe), tmp_path / "art", log=lambda s: None)
-    model, _ = load_artifact(tmp_path / "art")
+    model, _ = _quantized(src, weights, tmp_path)
     ref = _reference_model(src, family, weights)
-    from transformers import AutoModelForCausalLM
     fp = AutoModelForCausalLM.from_pretrained(str(src), torch_dtype=torch.float64).eval()
-    from qbench.layers.attention import AttnMetadata
     ids = torch.randint(2, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     meta = AttnMetadata(positions=torch.arange(ids.shape[1]).expand(2, -1))
     with torch.inference_mode():
