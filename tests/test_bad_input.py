@@ -298,7 +298,7 @@ def _popen(argv, cwd):
 
 
 def _strip(rec):
-    drop = {"seconds", "finished", "throughput", "versions", "machine", "decode_s", "prefill_s", "items_per_s"}
+    drop = {"seconds", "task_seconds", "finished", "throughput", "versions", "machine", "decode_s", "prefill_s", "items_per_s"}
     if isinstance(rec, dict):
         return {k: _strip(v) for k, v in rec.items() if k not in drop}
     if isinstance(rec, list):

@@ -88,7 +88,7 @@ tasks:
 
 def strip(rec):
     rec = json.loads(json.dumps(rec))
-    for k in ("seconds", "finished", "machine"):
+    for k in ("seconds", "task_seconds", "finished", "machine"):
         rec.pop(k, None)
     for t in rec["tasks"].values():
         t.pop("throughput", None)

@@ -30,7 +30,7 @@ qbench = run_qbench
 
 def strip_timings(rec):
     rec = json.loads(json.dumps(rec))
-    for k in ("seconds", "finished"):
+    for k in ("seconds", "task_seconds", "finished"):
         rec.pop(k, None)
     rec["tasks"].pop("speed", None)  # wall-clock measurements, by nature not reproducible
     for t in rec["tasks"].values():
@@ -88,6 +88,7 @@ def test_eval_runs_are_reproducible_resumable_and_batch_invariant(tmp_path, smol
     ra = json.loads((a / "results.json").read_text())
     assert ra["suite"]["seed"] == 7 and len(ra["suite"]["hash"]) == 16 and ra["batch_size"] == 3
     assert len(ra["subject"]["weights_sha256"]) == 64 and ra["versions"]["torch"]
+    assert set(ra["task_seconds"]) == set(ra["tasks"]) and sum(ra["task_seconds"].values()) <= ra["seconds"]
     # the same command again, from scratch: identical numbers
     assert qbench("eval", SMOL, "--suite", s, "--out", str(b)).returncode == 0
     rb = json.loads((b / "results.json").read_text())

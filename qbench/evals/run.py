@@ -114,13 +114,16 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     dist.barrier()  # every rank reads what the run folder already holds (a resumed run) only once it is claimed
     store = RunStore(out, write=dist.main)
     ctx = RunContext(store, None if baseline is None else RunStore(baseline), suite.seed, suite.path)
-    results = {}
+    results, task_seconds = {}, {}
     t0 = time.perf_counter()
     for name, cfg in suite.tasks.items():
         log(f"{name} ...")
         seed_everything(suite.seed)
+        t1 = time.perf_counter()
         results[name] = TASKS[name].run(subject, cfg, ctx)
-    record = dict(header, tasks=results, versions=versions(), seconds=time.perf_counter() - t0,
+        task_seconds[name] = time.perf_counter() - t1
+    # wall time of this invocation per task: a resumed run counts only what it computed
+    record = dict(header, tasks=results, versions=versions(), seconds=time.perf_counter() - t0, task_seconds=task_seconds,
                   machine=dict(machine(), processes=dist.world),
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     if not dist.main:
