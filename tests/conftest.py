@@ -107,17 +107,23 @@ def qwen():
 # a run on a machine that builds the kernels fails when a path this CPU supports ran no case.
 
 _INT_GEMMS = ("qb_gemm_i8", "qb_gemm_i4")
+INT_VNNI, INT_AVX2 = "native int8/int4 GEMM, AVX-512 VNNI", "native int8/int4 GEMM, AVX2"
+FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
+TORCH = "torch path (kernels off, aten, aten-bf16 or reference)"
 _PATH_CALLS: dict[str, int] = {}
 _PATH_TESTS: dict[str, set] = {}
 _current_test = [""]
 
 
-def _path_of(name: str, dll) -> str | None:
+def _counted(name: str) -> bool:
+    return name.startswith("qb_") and name not in ("qb_isa", "qb_set_isa")
+
+
+def _path_of(name: str, dll) -> str:
+    """The path a counted call takes; the integer GEMMs' ISA is read at call time (tests switch it)."""
     if name in _INT_GEMMS:
-        return "native int8/int4 GEMM, AVX-512 VNNI" if dll.qb_isa() == 512 else "native int8/int4 GEMM, AVX2"
-    if name.startswith("qb_") and name not in ("qb_isa", "qb_set_isa"):
-        return "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
-    return None
+        return INT_VNNI if dll.qb_isa() == 512 else INT_AVX2
+    return FP32
 
 
 def _record(path_name: str) -> None:
@@ -133,7 +139,7 @@ class _CountingLibrary:
 
     def __getattr__(self, name):
         fn = getattr(self._dll, name)
-        if _path_of(name, self._dll) is None:
+        if not _counted(name):
             return fn
 
         def call(*args):
@@ -155,7 +161,7 @@ def pytest_runtest_call(item):
     _current_test[0] = item.nodeid
     params = getattr(getattr(item, "callspec", None), "params", {})
     if params.get("path") == "torch" or params.get("impl") in ("aten", "aten-bf16", "reference"):
-        _record("torch path (kernels off, aten, aten-bf16 or reference)")
+        _record(TORCH)
     try:
         return (yield)
     finally:
@@ -167,20 +173,17 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = ["native int8/int4 GEMM, AVX2", "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"]
-    if lib._dll.qb_isa() == 512:
-        want.append("native int8/int4 GEMM, AVX-512 VNNI")
+    want = [INT_AVX2, FP32] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 
 def pytest_terminal_summary(terminalreporter):
     tr = terminalreporter
-    cpu, flags = build.cpu_info()
     tr.section("kernel paths exercised")
-    tr.write_line(f"this machine: {cpu} ({', '.join(build.machine()['cpu_flags']) or 'no AVX2'}); native kernels "
+    tr.write_line(f"this machine: {build.cpu_info()[0]} ({', '.join(build.machine()['cpu_flags']) or 'no AVX2'}); native kernels "
                   f"{'built' if build.available() else 'not built: every quantized linear ran on torch'}")
     for p in sorted(_PATH_CALLS):
-        calls = "" if p.startswith("torch") else f"{_PATH_CALLS[p]:,} calls in "
+        calls = "" if p == TORCH else f"{_PATH_CALLS[p]:,} calls in "
         tr.write_line(f"  {p}: {calls}{len(_PATH_TESTS[p]):,} tests")
     for p in _missing_paths():
         tr.write_line(f"  {p}: NOT EXERCISED")

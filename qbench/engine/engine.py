@@ -184,7 +184,7 @@ class Engine:
                     for i, (s, n) in enumerate(zip(seqs_p, lengths)):
                         _trace(s, starts[i], logits[i, :n])
                     logits = logits[torch.arange(len(seqs_p)), torch.tensor(lengths) - 1]
-                self.stats.prefill_tokens.append(sum(n for _, n in step.prefills))
+                self.stats.prefill_tokens.append(sum(lengths))
                 ready, rows = [], []
                 for i, s in enumerate(seqs_p):
                     if sched.prefill_done(s):
