@@ -107,7 +107,9 @@ def qwen():
 # a run on a machine that builds the kernels fails when a path this CPU supports ran no case.
 
 _INT_GEMMS = ("qb_gemm_i8", "qb_gemm_i4")
+_DEQUANTS = ("qb_dequant_i8", "qb_dequant_i4")
 INT_VNNI, INT_AVX2 = "native int8/int4 GEMM, AVX-512 VNNI", "native int8/int4 GEMM, AVX2"
+DEQUANT = "native int8/int4 dequantize for prefill-sized rows (then oneDNN)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
 TORCH = "torch path (kernels off, aten, aten-bf16 or reference)"
 _PATH_CALLS: dict[str, int] = {}
@@ -123,7 +125,7 @@ def _path_of(name: str, dll) -> str:
     """The path a counted call takes; the integer GEMMs' ISA is read at call time (tests switch it)."""
     if name in _INT_GEMMS:
         return INT_VNNI if dll.qb_isa() == 512 else INT_AVX2
-    return FP32
+    return DEQUANT if name in _DEQUANTS else FP32
 
 
 def _record(path_name: str) -> None:
@@ -173,7 +175,7 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, FP32] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
+    want = [INT_AVX2, FP32, DEQUANT] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 

@@ -102,3 +102,57 @@ def test_fused_layer_ops_match_torch():
     rope_(out, pos, table.cos, table.sin, 4)
     assert (out[:, :, :4] - ref).abs().max() < 1e-5
     assert torch.equal(out[:, :, 4], qkv[:, :, 4])  # v heads are not rotated
+
+
+@needs_kernel
+@pytest.mark.parametrize("slab", [None, 64 * 48])  # one dense weight, or slabs of 64 columns (the last partial)
+@pytest.mark.parametrize("N", [100, 131])
+def test_prefill_sized_rows_take_the_dense_path_and_match_float64(monkeypatch, slab, N):
+    """From DENSE_ROWS rows on, Linear unpacks its panels for oneDNN; the result is the same product."""
+    if slab:
+        monkeypatch.setattr(linear_mod, "SLAB_FLOATS", slab)
+    g = torch.Generator().manual_seed(N)
+    W, b = torch.randn(N, 48, generator=g), torch.randn(N, generator=g)
+    lin = linear_mod.Linear(W, b)
+    calls = []
+    real = linear_mod.dense_matmul
+    monkeypatch.setattr(linear_mod, "dense_matmul", lambda *a: calls.append(a[1].shape) or real(*a))
+    for M in (linear_mod.DENSE_ROWS - 1, linear_mod.DENSE_ROWS + 3):
+        x = torch.randn(M, 48, generator=g)
+        ref = x.double() @ W.t().double() + b.double()
+        assert (lin(x).double() - ref).abs().max() < 1e-5 * 48 ** 0.5 * 10
+    widths = [s[1] for s in calls]  # only the second size went dense, in slabs that cover N once
+    assert sum(widths) == N and (len(widths) == 1) == (slab is None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("lengths", [(9, 9), (9, 4), (1, 6)])
+def test_a_fresh_prefill_on_sdpa_matches_the_paged_kernel(monkeypatch, lengths):
+    """Rows that start their prompt in this step run torch's causal SDPA over their own keys; the paged
+    kernel over the same keys written to the cache is the reference, padded rows included."""
+    from qbench.kernels.ops import paged_attention
+    from qbench.layers.attention import AttnMetadata, attend, uses_kernel
+    from qbench.layers.kv import BlockKV
+
+    g = torch.Generator().manual_seed(sum(lengths))
+    B, T, nh, nkv, hd, bs = len(lengths), max(lengths), 6, 2, 16, 4
+    q, k, v = torch.randn(B, T, nh, hd, generator=g), torch.randn(B, T, nkv, hd, generator=g), \
+        torch.randn(B, T, nkv, hd, generator=g)
+    nblk = -(-T // bs)
+    tables = torch.arange(B * nblk).view(B, nblk)
+    valid = torch.tensor([[t < n for t in range(T)] for n in lengths])
+    idx = valid.flatten().nonzero().flatten()
+    slots = torch.cat([tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(lengths)])
+    padded = bool((~valid).any())
+    meta = AttnMetadata(positions=torch.arange(T).expand(B, T), valid_index=idx if padded else None,
+                        query_valid=valid if padded else None, slot_mapping=slots, block_tables=tables,
+                        context_lens=torch.tensor(lengths), block_size=bs, new_tokens=torch.tensor(lengths))
+    assert uses_kernel(meta, torch.float32)
+    cache = BlockKV(torch.zeros(B * nblk, bs, nkv, hd), torch.zeros(B * nblk, bs, nkv, hd))
+    import qbench.layers.attention as attention_mod
+    with monkeypatch.context() as m:
+        m.setattr(attention_mod, "paged_attention", lambda *a: pytest.fail("a fresh prefill took the paged kernel"))
+        got = attend(q, k, v, None, meta, cache, 0.25)
+    ref = paged_attention(q, cache.k, cache.v, tables, meta.positions, meta.query_valid, None, 0.25)
+    assert (got[valid] - ref[valid]).abs().max() < 1e-5
+    assert torch.count_nonzero(got[~valid]) == 0

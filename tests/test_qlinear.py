@@ -13,7 +13,7 @@ IMPLS = ["native", "aten", "aten-bf16", "reference"]
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scheme", ["int8", "g32-sym", "g64-asym", "g128-sym", "g128-asym"])
 @pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536), (24, 77)])
-@pytest.mark.parametrize("M", [1, 2, 3, 8, 13])
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 13, 131])  # 131: past DENSE_ROWS, dequantize + oneDNN
 def test_fast_paths_match_the_reference(impl, scheme, N, K, M):
     if impl == "native" and not build.available():
         pytest.skip("native kernels not built here (no C compiler, or no AVX2/FMA/F16C)")
@@ -71,3 +71,28 @@ def test_leading_dimensions_and_bias():
     y = make_qlinear(q, b)(x)
     assert y.shape == (2, 5, 24)
     assert torch.allclose(y, torch.nn.functional.linear(x, dequantize(q), b), atol=1e-4)
+
+
+@pytest.mark.skipif(not build.available(), reason="native kernels not built here (no C compiler, or no AVX2/FMA/F16C)")
+@pytest.mark.parametrize("scheme", ["int8", "g32-sym", "g128-asym"])
+@pytest.mark.parametrize("N,K", [(200, 1536), (24, 77), (131, 130)])
+def test_the_prefill_path_dequantizes_exactly_the_reference_weights(monkeypatch, scheme, N, K):
+    """At prefill sizes the native path dequantizes the panels; the weights it builds must equal
+    ``dequantize`` bit for bit, including slabs that split the panels (the last one partial)."""
+    from qbench.layers import linear as linear_mod
+    from qbench.quant import qlinear as ql
+
+    g = torch.Generator().manual_seed(N * K)
+    w = torch.randn(N, K, generator=g)
+    q = quantize_int8(w) if scheme == "int8" else quantize_int4(w, int(scheme[1:].split("-")[0]),
+                                                                scheme.endswith("-sym"))
+    seen = []
+    real = linear_mod.dense_matmul
+    monkeypatch.setattr(linear_mod, "dense_matmul", lambda x2, wt, b: seen.append(wt.clone()) or real(x2, wt, b))
+    monkeypatch.setattr(linear_mod, "SLAB_FLOATS", 48 * K)  # slabs of 48 columns
+    lin = make_qlinear(q, None, "native")
+    lin(torch.randn(ql.DENSE_ROWS, K, generator=g))
+    assert torch.equal(torch.cat(seen, dim=1), dequantize(q).t())
+    seen.clear()
+    lin(torch.randn(ql.DENSE_ROWS - 1, K, generator=g))
+    assert not seen  # below DENSE_ROWS the integer kernels run

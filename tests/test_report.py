@@ -62,6 +62,9 @@ def test_the_report_holds_every_variants_numbers_from_the_records(runs, tmp_path
     assert kv4["kld"]["mean"] < k4v2["kld"]["mean"]  # 2-bit values cost more than 4-bit ones
     md = (out / "report.md").read_text()
     assert "not significant" in md and "## Paired significance" in md and "figures/kld_cdf.png" in md
+    commits = {json.loads((runs / r / "results.json").read_text())["versions"]["qbench_commit"] for r in ("fp", "kv4")}
+    assert set(s["code"].values()) == commits and len(commits) == 1  # this checkout's commit, recorded by eval
+    assert f"Code: every run by qbench {next(iter(commits))[:12]}" in md
     html = (out / "report.html").read_text()
     srcs = re.findall(r"src='([^']*)'", html)
     assert len(srcs) == len(s["figures"]) == 4 and all(x.startswith("data:image/png;base64,") for x in srcs)
@@ -159,3 +162,11 @@ def test_a_variant_is_named_from_its_record():
     assert label(rec(None, "fp", None)) == "fp32"
     assert label(rec(None, "K4V4 G16 R16", "run")) == "fp32 + KV K4V4 G16 R16"
     assert label(rec("w4g128-kv4", "K4V4 G16 R16", "artifact")) == "w4g128-kv4"  # the recipe already says it
+
+
+def test_the_report_says_when_its_runs_were_made_by_different_code():
+    from qbench.report.render import code_line
+    one = code_line({"code": {"fp32": "a" * 40, "w8": "a" * 40}})
+    assert one == f"Code: every run by qbench {'a' * 12}."
+    mixed = code_line({"code": {"fp32": None, "w8": None, "w4": "b" * 40 + "+dirty"}})
+    assert mixed == f"Code: the runs were made by different qbench commits (fp32, w8: (commit not recorded); w4: {'b' * 12}+dirty)."

@@ -91,7 +91,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     from qbench.dist.comm import Dist
     from qbench.evals.subject import Subject
     from qbench.evals.tasks import TASKS
-    from qbench.quant.quantize import versions
+    from qbench.quant.quantize import source_commit, versions
     from qbench.quant.recipe import load_kv_scheme
 
     if batch_size is not None and batch_size < 1:
@@ -123,7 +123,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
         results[name] = TASKS[name].run(subject, cfg, ctx)
         task_seconds[name] = time.perf_counter() - t1
     # wall time of this invocation per task: a resumed run counts only what it computed
-    record = dict(header, tasks=results, versions=versions(), seconds=time.perf_counter() - t0, task_seconds=task_seconds,
+    record = dict(header, tasks=results, versions=dict(versions(), qbench_commit=source_commit()), seconds=time.perf_counter() - t0, task_seconds=task_seconds,
                   machine=dict(machine(), processes=dist.world),
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     if not dist.main:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "dequant.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -90,6 +90,8 @@ def load() -> ctypes.CDLL | None:
         "qb_paged_attention": [P] * 7 + [L] * 8 + [F, I],
         "qb_gemm_i8": [P] * 4 + [L] * 3 + [I],
         "qb_gemm_i4": [P] * 5 + [L] * 4 + [I],
+        "qb_dequant_i8": [P] * 3 + [L] * 2 + [I],
+        "qb_dequant_i4": [P] * 4 + [L] * 3 + [I],
         "qb_set_isa": [I],
     }
     for name, args in signatures.items():

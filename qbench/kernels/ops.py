@@ -40,6 +40,23 @@ def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return y.view(*x.shape[:-1], n)
 
 
+def dequant_i8(panels: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """INT8 panels (P, K, 16) and per-column scales -> the dense weight (K, n) float32."""
+    K = panels.shape[1]
+    out = torch.empty(K, n, dtype=torch.float32)
+    load().qb_dequant_i8(panels.data_ptr(), scale.data_ptr(), out.data_ptr(), K, n, torch.get_num_threads())
+    return out
+
+
+def dequant_i4(panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, n: int,
+               group: int) -> torch.Tensor:
+    """INT4 panels in ``qb_gemm_i4``'s layout -> the dense weight (k, n) float32."""
+    out = torch.empty(k, n, dtype=torch.float32)
+    load().qb_dequant_i4(panels.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), k, n, group,
+                         torch.get_num_threads())
+    return out
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     n = x.shape[-1]
     x = x.contiguous()

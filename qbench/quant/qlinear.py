@@ -16,9 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
+from qbench.kernels.ops import dequant_i4, dequant_i8
+from qbench.layers.linear import dense_by_slabs
 from qbench.quant.primitives import QTensor, dequantize, padded_width
 
 PANEL = 16
+# From this many rows of x on, the native path dequantizes the weight once per call and runs oneDNN's
+# blocked fp32 GEMM: the integer kernels re-read x for every 16-column panel and fall to 40-90 GFLOP/s
+# at prefill sizes, against about 200 for the blocked GEMM (2-core Xeon, Qwen2.5-0.5B's shapes).
+DENSE_ROWS = 128
 IMPLS = ("native", "aten", "aten-bf16", "reference")
 
 
@@ -108,6 +114,9 @@ class Int8Linear(QuantLinear):
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         if self.impl.startswith("aten"):
             return torch.ops.aten._weight_int8pack_mm(self._aten_input(x2), self.codes_nk, self.scale32).float()
+        if x2.shape[0] >= DENSE_ROWS:
+            return dense_by_slabs(x2, self.out_features, lambda p0, p1, c: dequant_i8(
+                self.panels[p0:p1], self.scale32[p0 * PANEL:], c), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         kernels.load().qb_gemm_i8(x2.data_ptr(), self.panels.data_ptr(), self.scale32.data_ptr(), y.data_ptr(),
                                   x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
@@ -150,6 +159,10 @@ class Int4Linear(QuantLinear):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._aten_input(x2), self.aten_packed, self.group_size,
                                                            self.aten_sz).float()
             return y[:, : self.out_features].contiguous() if y.shape[1] != self.out_features else y
+        if x2.shape[0] >= DENSE_ROWS:
+            return dense_by_slabs(x2, self.out_features, lambda p0, p1, c: dequant_i4(
+                self.panels[p0:p1], self.scales16[p0:p1], self.zeros8[p0:p1], self.in_features, c,
+                self.group_size), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         kernels.load().qb_gemm_i4(x2.data_ptr(), self.panels.data_ptr(), self.scales16.data_ptr(),
                                   self.zeros8.data_ptr(), y.data_ptr(), x2.shape[0], self.in_features,

@@ -28,6 +28,25 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def source_commit() -> str | None:
+    """The git commit qbench runs from ("+dirty" when tracked files differ from it); None outside a checkout.
+    Eval results record it, so a report whose runs were made by different code says so."""
+    import subprocess
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists() or not (root / "pyproject.toml").is_file():
+        return None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
 def tensors_sha256(path: Path) -> str:
     """sha256 of a safetensors file's content: its header with keys sorted, then its data. The writer
     stores the metadata map in hash order, so two byte-different files of identical tensors and

@@ -60,6 +60,20 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             ("Paired significance", paired_head, paired)]
 
 
+def code_line(summary: dict) -> str:
+    """Which qbench code made the runs: one commit, or the groups when they differ."""
+    def short(c):
+        return "(commit not recorded)" if not c else c[:12] + ("+dirty" if c.endswith("+dirty") else "")
+    groups: dict = {}
+    for name, commit in summary.get("code", {}).items():
+        groups.setdefault(commit, []).append(name)
+    if len(groups) <= 1:
+        commit = next(iter(groups), None)
+        return f"Code: every run by qbench {short(commit)}."
+    return ("Code: the runs were made by different qbench commits (" + "; ".join(
+        f"{', '.join(names)}: {short(c)}" for c, names in groups.items()) + ").")
+
+
 def detectable(mde: dict | None) -> str:
     """What a "not significant" is worth: the smallest difference this run could have detected."""
     if not mde:
@@ -107,7 +121,7 @@ def markdown(summary: dict, figures: dict[str, bytes]) -> str:
     s = summary["suite"]
     out = [f"# qbench compare: suite `{s['name']}` (hash {s['hash']}, seed {s['seed']})", "",
            f"Baseline: **{summary['baseline']}**. Every variant ran the same suite and seed, so it saw the same "
-           f"tokens, prompts and exemplars.", ""]
+           f"tokens, prompts and exemplars. {code_line(summary)}", ""]
     for title, head, rows in tables(summary):
         out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(r) + " |" for r in rows] or ["| " + " | ".join(["—"] * len(head)) + " |"]
@@ -132,7 +146,8 @@ def page(summary: dict, figures: dict[str, bytes]) -> str:
            f"<title>qbench compare: {e(s['name'])}</title><style>{CSS}</style></head><body>",
            f"<h1>qbench compare: suite <code>{e(s['name'])}</code></h1>",
            f"<p>Suite hash {e(s['hash'])}, seed {s['seed']}. Baseline: <b>{e(summary['baseline'])}</b>. Every "
-           f"variant ran the same suite and seed, so it saw the same tokens, prompts and exemplars.</p>"]
+           f"variant ran the same suite and seed, so it saw the same tokens, prompts and exemplars. "
+           f"{e(code_line(summary))}</p>"]
     for title, head, rows in tables(summary):
         out.append(f"<h2>{e(title)}</h2><div class='wrap'><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
         for r in rows:

@@ -98,4 +98,5 @@ def build(variants: list[Variant]) -> dict:
     return {"suite": {k: base.record["suite"][k] for k in ("name", "hash", "seed")},
             "baseline": base.name, "alpha": ALPHA,
             "variants": [variant_row(v) for v in variants],
+            "code": {v.name: v.record.get("versions", {}).get("qbench_commit") for v in variants},
             "paired": {v.name: paired_tests(v) for v in variants[1:]}}

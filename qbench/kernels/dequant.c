@@ -1,0 +1,70 @@
+/* Panel-packed INT8 / INT4 weights -> a dense fp32 (K, N) matrix, for prefill-sized GEMMs.
+ *
+ * The integer GEMMs (gemm_q.c) stream each weight panel once per call and keep a tile of up to 6 rows
+ * of x in registers, which is what batch-1 and small-batch decode need. At prefill sizes (hundreds to
+ * thousands of rows) every panel re-reads all of x from beyond the L2 cache, and they fall to well
+ * under half of a blocked fp32 GEMM's rate. There the weights are dequantized once per call (N x K
+ * values, a few milliseconds) and the product runs on oneDNN's cache-blocked GEMM. The values written
+ * are exactly the dequantized weights the reference path multiplies by: s * q (INT8) and
+ * s * (u - z) (INT4, s widened from fp16), one rounding each.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "panel.h"
+
+/* wp (P, K, 16) int8, scale (P * 16) fp32 -> out (K, N) fp32, row-major. */
+void qb_dequant_i8(const int8_t *wp, const float *scale, float *out, long K, long N, int nthreads) {
+    long npanels = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long p = 0; p < npanels; p++) {
+        const int8_t *w = wp + p * K * PANEL;
+        long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
+        __m256 s0 = _mm256_loadu_ps(scale + n0), s1 = _mm256_loadu_ps(scale + n0 + 8);
+        for (long k = 0; k < K; k++) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(w + k * PANEL));
+            __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s0);
+            __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), s1);
+            store16(out + k * N + n0, w0, w1, nvalid);
+        }
+    }
+}
+
+/* wp (P, K4 / 2, 16) uint8 in qb_gemm_i4's layout (byte 2c + t of k-pair j holds code(2j + t, c) in its
+ * low nibble and code(2j + t, c + 8) in its high one), scales (P, ngroups, 16) fp16, zeros (P, ngroups, 16)
+ * uint8 -> out (K, N) fp32, row-major. */
+void qb_dequant_i4(const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros, float *out, long K, long N,
+                   long G, int nthreads) {
+    long npanels = (N + PANEL - 1) / PANEL;
+    long ngroups = (K + G - 1) / G;
+    long K4 = (K + 3) & ~3L;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long p = 0; p < npanels; p++) {
+        const uint8_t *w = wp + p * K4 * (PANEL / 2);
+        const uint16_t *sc = scales + p * ngroups * PANEL;
+        const uint8_t *zp = zeros + p * ngroups * PANEL;
+        long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
+        for (long gi = 0; gi < ngroups; gi++) {
+            __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
+            __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));
+            __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
+            __m256 z0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb));
+            __m256 z1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8)));
+            long k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
+            for (long k = gi * G; k < k1; k++) {
+                const uint8_t *pair = w + (k >> 1) * PANEL;
+                uint8_t lo[PANEL / 2 * 2];
+                for (int c = 0; c < 8; c++) {  /* byte 2c + t: column c low nibble, column c + 8 high */
+                    uint8_t b = pair[2 * c + (k & 1)];
+                    lo[c] = b & 0x0F;
+                    lo[c + 8] = b >> 4;
+                }
+                __m128i u = _mm_loadu_si128((const __m128i *)lo);
+                __m256 u0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u));
+                __m256 u1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(u, 8)));
+                store16(out + k * N + n0, _mm256_mul_ps(_mm256_sub_ps(u0, z0), s0),
+                        _mm256_mul_ps(_mm256_sub_ps(u1, z1), s1), nvalid);
+            }
+        }
+    }
+}
