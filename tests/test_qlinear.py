@@ -96,3 +96,23 @@ def test_the_prefill_path_dequantizes_exactly_the_reference_weights(monkeypatch,
     seen.clear()
     lin(torch.randn(ql.DENSE_ROWS - 1, K, generator=g))
     assert not seen  # below DENSE_ROWS the integer kernels run
+
+
+@pytest.mark.skipif(not build.available() or build.load().qb_isa() != 512, reason="needs the native kernels on a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16])
+@pytest.mark.parametrize("N,K", [(48, 576), (40, 97), (131, 130)])
+def test_the_int8_kernel_on_both_isas_matches_the_reference(M, N, K):
+    """INT8 has an AVX-512 kernel (one zmm per panel row) beside the AVX2 one; both against float64."""
+    lib = build.load()
+    g = torch.Generator().manual_seed(M * N + K)
+    w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
+    q = quantize_int8(w)
+    ref = x.double() @ dequantize(q).double().t()
+    lin = make_qlinear(q, None, "native")
+    tol = 2e-6 * K ** 0.5 * ref.abs().max() + 1e-5
+    try:
+        for isa in (256, 512):
+            lib.qb_set_isa(isa)
+            assert (lin(x).double() - ref).abs().max() <= tol, isa
+    finally:
+        lib.qb_set_isa(512)

@@ -4,7 +4,8 @@
  * activations, and this class of CPU has no bf16 arithmetic (a bf16 matmul runs at about
  * 1 GFLOP/s here); these kernels unpack integers to fp32 in registers instead.
  *
- * INT8: panel p holds (K, 16) int8; one fp32 scale per output column, applied once at the end.
+ * INT8: panel p holds (K, 16) int8; one fp32 scale per output column, applied once at the end. With
+ * AVX-512 (qb_isa() == 512) a panel row is one zmm; the AVX2 tiles serve the other CPUs and the tests.
  * INT4: unsigned codes u in [0, 15], 16 fp16 scales and 16 uint8 zero points per (panel, group);
  * a group's integer dot products are accumulated first and its scale is applied once per group
  * (the seeds): y += s * (sum_k x_k u_k - z * sum_k x_k). See qb_gemm_i4 for its layout.
@@ -78,14 +79,77 @@ static inline __attribute__((always_inline)) void tile_i8_small(const int MT, co
     OUT8U(0) OUT8U(1)
 }
 
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+int qb_isa(void);
+static int qb_isa_wide(void);
+
+/* INT8 on AVX-512: a panel's 16 columns are one zmm, so each k costs one widening load, one convert and
+ * one FMA per row, half the AVX2 path's instructions. U independent accumulators per row over k hide the
+ * FMA latency: 4 for one or two rows (decode, where this kernel is compute-bound: the lm_head), 2 above. */
+static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, const int U, const float *x,
+                                                                const int8_t *w, long K, const float *scale,
+                                                                float *y, long N, long nvalid) {
+    __m512 acc[6][4];
+    for (int i = 0; i < MT; i++)
+        for (int u = 0; u < U; u++) acc[i][u] = _mm512_setzero_ps();
+    long k = 0;
+    for (; k + U <= K; k += U) {
+        if ((k & 3) == 0) PREFETCH(w + k * PANEL);
+        #pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (k + u) * PANEL))));
+            #pragma GCC unroll 6
+            for (int i = 0; i < MT; i++) acc[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k + u]), wv, acc[i][u]);
+        }
+    }
+    for (; k < K; k++) {
+        __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k * PANEL))));
+        for (int i = 0; i < MT; i++) acc[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), wv, acc[i][0]);
+    }
+    __m512 s = _mm512_loadu_ps(scale);
+    __mmask16 m = (__mmask16)((1u << nvalid) - 1);
+    for (int i = 0; i < MT; i++) {
+        __m512 r = acc[i][0];
+        for (int u = 1; u < U; u++) r = _mm512_add_ps(r, acc[i][u]);
+        _mm512_mask_storeu_ps(y + i * N, m, _mm512_mul_ps(r, s));
+    }
+}
+
+static AVX512 void panel_i8z(long M, const float *x, const int8_t *w, long K, const float *scale, float *y,
+                             long N, long nvalid) {
+    if (M <= 2) {
+        if (M == 2) tile_i8z(2, 4, x, w, K, scale, y, N, nvalid);
+        else tile_i8z(1, 4, x, w, K, scale, y, N, nvalid);
+        return;
+    }
+    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
+        long mt = tile_rows(M, t);
+        const float *xm = x + m0 * K;
+        float *ym = y + m0 * N;
+        switch (mt) {
+            case 6: tile_i8z(6, 2, xm, w, K, scale, ym, N, nvalid); break;
+            case 5: tile_i8z(5, 2, xm, w, K, scale, ym, N, nvalid); break;
+            case 4: tile_i8z(4, 2, xm, w, K, scale, ym, N, nvalid); break;
+            case 3: tile_i8z(3, 2, xm, w, K, scale, ym, N, nvalid); break;
+            case 2: tile_i8z(2, 2, xm, w, K, scale, ym, N, nvalid); break;
+            default: tile_i8z(1, 2, xm, w, K, scale, ym, N, nvalid); break;
+        }
+    }
+}
+
 /* x (M, K) fp32; wp (P, K, 16) int8; scale (P * 16) fp32 (padded); y (M, N). */
 void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
                 int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
+    int wide = qb_isa_wide();
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
         const int8_t *w = wp + p * K * PANEL;
         long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
+        if (wide) {
+            panel_i8z(M, x, w, K, scale + n0, y + n0, N, nvalid);
+            continue;
+        }
         if (M <= 2) {
             if (M == 2) tile_i8_small(2, x, w, K, scale + n0, y + n0, N, nvalid);
             else tile_i8_small(1, x, w, K, scale + n0, y + n0, N, nvalid);
@@ -177,8 +241,6 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
  * are laid out to match, 8 copies of pair j then 8 of pair j + 1 per 64 bytes (xq below), so one
  * memory operand serves both. A group's two halves are added in int32 before it is closed, so
  * the result is bit-identical to the AVX2 path. */
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-
 #define ROWZ(i) if (MT > i) { __m512i xv = _mm512_loadu_si512(xq + i * ldq + (k >> 2) * 16);           \
                               a##i##0 = _mm512_dpwssd_epi32(a##i##0, wlo, xv);                          \
                               a##i##1 = _mm512_dpwssd_epi32(a##i##1, whi, xv); }
@@ -218,9 +280,60 @@ static inline AVX512 __attribute__((always_inline)) void tile_i4z(const int MT, 
     store_acc(acc, MT, y, N, nvalid);
 }
 
+/* One or two rows (decode): with only two accumulators per row, each vpdpwssd waits on the previous one
+ * (latency, not throughput, bounds the loop). Two k-steps per iteration into separate accumulators,
+ * added in int32 before the group closes: exact, so the result stays bit-identical to the AVX2 path. */
+#define ROWZ2(i) if (MT > i) { __m512i xv = _mm512_loadu_si512(xq + i * ldq + (k >> 2) * 16);            \
+                               __m512i xw = _mm512_loadu_si512(xq + i * ldq + ((k + 4) >> 2) * 16);      \
+                               a##i##0 = _mm512_dpwssd_epi32(a##i##0, wlo, xv);                           \
+                               a##i##1 = _mm512_dpwssd_epi32(a##i##1, whi, xv);                           \
+                               b##i##0 = _mm512_dpwssd_epi32(b##i##0, vlo, xw);                           \
+                               b##i##1 = _mm512_dpwssd_epi32(b##i##1, vhi, xw); }
+static inline AVX512 __attribute__((always_inline)) void tile_i4z_small(const int MT, const int32_t *xq, long ldq,
+                                                                      const float *sx16, const int32_t *xs16,
+                                                                      const uint8_t *w, const uint16_t *sc,
+                                                                      const uint8_t *zp, long K4, long G,
+                                                                      long ngroups, float *y, long N, long nvalid) {
+    float acc[6 * PANEL] = {0};
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (long gi = 0; gi < ngroups; gi++) {
+        __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00;
+        __m512i b00 = a00, b01 = a00, b10 = a00, b11 = a00;
+        long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4, k = gi * G;
+        for (; k + 8 <= k1; k += 8) {
+            if ((k & 7) == 0) PREFETCH(w + k * (PANEL / 2));
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2)));
+            __m256i c = _mm256_loadu_si256((const __m256i *)(w + (k + 4) * (PANEL / 2)));
+            __m512i wlo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, mask));
+            __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+            __m512i vlo = _mm512_cvtepu8_epi16(_mm256_and_si256(c, mask));
+            __m512i vhi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), mask));
+            ROWZ2(0) ROWZ2(1)
+        }
+        if (k < k1) {  /* a group of 4 mod 8 (K4 is a multiple of 4) */
+            __m256i b = _mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2)));
+            __m512i wlo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, mask));
+            __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+            ROWZ(0) ROWZ(1)
+        }
+        a00 = _mm512_add_epi32(a00, b00); a01 = _mm512_add_epi32(a01, b01);
+        a10 = _mm512_add_epi32(a10, b10); a11 = _mm512_add_epi32(a11, b11);
+        __m256 s0, s1;
+        __m256i z0, z1;
+        group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
+        CLOSEZ(0) CLOSEZ(1)
+    }
+    store_acc(acc, MT, y, N, nvalid);
+}
+
 static AVX512 void panel_i4z(long M, const int32_t *xq, long ldq, const float *sx16, const int32_t *xs16,
                              const uint8_t *w, const uint16_t *sc, const uint8_t *zp, long K4, long G,
                              long ngroups, float *y, long N, long nvalid) {
+    if (M <= 2) {
+        if (M == 2) tile_i4z_small(2, xq, ldq, sx16, xs16, w, sc, zp, K4, G, ngroups, y, N, nvalid);
+        else tile_i4z_small(1, xq, ldq, sx16, xs16, w, sc, zp, K4, G, ngroups, y, N, nvalid);
+        return;
+    }
     for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
         const int32_t *xm = xq + m0 * ldq;
         const float *sm = sx16 + m0 * ngroups;
@@ -246,6 +359,8 @@ static void panel_i4q(long M, const int16_t *x16, const float *sx16, const int32
 static int use_avx512 = -1;
 
 void qb_set_isa(int level) { use_avx512 = level >= 512; }
+
+static int qb_isa_wide(void) { return qb_isa() == 512; }
 
 int qb_isa(void) {
     if (use_avx512 < 0) {
