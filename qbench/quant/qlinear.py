@@ -77,12 +77,20 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "reference":
             return self.reference(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
         y = self._matmul(x2)
-        if self.bias is not None:
-            y += self.bias
-        return y.view(*lead, self.out_features)
+        bias = self._parameters.get("bias")  # None: no bias (then a plain attribute)
+        if bias is not None:
+            y += bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _kernel_args(self, *names: str) -> list[int]:
+        """Addresses of the kernel-layout buffers. Read from ``_buffers`` directly: a decode step makes about
+        a hundred of these calls, and ``nn.Module.__getattr__`` costs a microsecond a name."""
+        b = self._buffers
+        return [b[n].data_ptr() for n in names]
 
 
 class Int8Linear(QuantLinear):
@@ -118,7 +126,7 @@ class Int8Linear(QuantLinear):
             return dense_by_slabs(x2, self.out_features, lambda p0, p1, c: dequant_i8(
                 self.panels[p0:p1], self.scale32[p0 * PANEL:], c), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        kernels.load().qb_gemm_i8(x2.data_ptr(), self.panels.data_ptr(), self.scale32.data_ptr(), y.data_ptr(),
+        kernels.load().qb_gemm_i8(x2.data_ptr(), *self._kernel_args("panels", "scale32"), y.data_ptr(),
                                   x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
         return y
 
@@ -164,9 +172,9 @@ class Int4Linear(QuantLinear):
                 self.panels[p0:p1], self.scales16[p0:p1], self.zeros8[p0:p1], self.in_features, c,
                 self.group_size), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        kernels.load().qb_gemm_i4(x2.data_ptr(), self.panels.data_ptr(), self.scales16.data_ptr(),
-                                  self.zeros8.data_ptr(), y.data_ptr(), x2.shape[0], self.in_features,
-                                  self.out_features, self.group_size, torch.get_num_threads())
+        kernels.load().qb_gemm_i4(x2.data_ptr(), *self._kernel_args("panels", "scales16", "zeros8"), y.data_ptr(),
+                                  x2.shape[0], self.in_features, self.out_features, self.group_size,
+                                  torch.get_num_threads())
         return y
 
 
