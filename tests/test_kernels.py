@@ -126,32 +126,37 @@ def test_prefill_sized_rows_take_the_dense_path_and_match_float64(monkeypatch, s
 
 
 @needs_kernel
-@pytest.mark.parametrize("lengths", [(9, 9), (9, 4), (1, 6)])
-def test_a_fresh_prefill_on_sdpa_matches_the_paged_kernel(monkeypatch, lengths):
-    """Rows that start their prompt in this step run torch's causal SDPA over their own keys; the paged
-    kernel over the same keys written to the cache is the reference, padded rows included."""
+@pytest.mark.parametrize("lengths,prefixes", [((9, 9), (0, 0)), ((9, 4), (0, 0)), ((1, 6), (0, 0)),
+                                              ((9, 4), (7, 0)), ((5, 9), (16, 3)), ((12, 12), (40, 40))])
+def test_prefill_attention_on_flash_matches_the_paged_kernel(monkeypatch, lengths, prefixes):
+    """A prefill row attends causally over its new keys (torch's flash kernel) and fully over the prefix
+    already in the cache (a second flash call, merged by log-sum-exp); the paged kernel over the same pool
+    is the reference, padded rows included."""
+    import qbench.layers.attention as attention_mod
     from qbench.kernels.ops import paged_attention
     from qbench.layers.attention import AttnMetadata, attend, uses_kernel
     from qbench.layers.kv import BlockKV
 
-    g = torch.Generator().manual_seed(sum(lengths))
+    g = torch.Generator().manual_seed(sum(lengths) + sum(prefixes))
     B, T, nh, nkv, hd, bs = len(lengths), max(lengths), 6, 2, 16, 4
     q, k, v = torch.randn(B, T, nh, hd, generator=g), torch.randn(B, T, nkv, hd, generator=g), \
         torch.randn(B, T, nkv, hd, generator=g)
-    nblk = -(-T // bs)
-    tables = torch.arange(B * nblk).view(B, nblk)
+    ctx = [p + n for p, n in zip(prefixes, lengths)]
+    nblk = -(-max(ctx) // bs)
+    tables = torch.randperm(B * nblk, generator=g).view(B, nblk)  # blocks scattered over the pool
+    cache = BlockKV(torch.randn(B * nblk, bs, nkv, hd, generator=g), torch.randn(B * nblk, bs, nkv, hd, generator=g))
     valid = torch.tensor([[t < n for t in range(T)] for n in lengths])
     idx = valid.flatten().nonzero().flatten()
-    slots = torch.cat([tables[b, torch.arange(n) // bs] * bs + torch.arange(n) % bs for b, n in enumerate(lengths)])
+    slots = torch.cat([tables[b, (p + torch.arange(n)) // bs] * bs + (p + torch.arange(n)) % bs
+                       for b, (p, n) in enumerate(zip(prefixes, lengths))])
     padded = bool((~valid).any())
-    meta = AttnMetadata(positions=torch.arange(T).expand(B, T), valid_index=idx if padded else None,
-                        query_valid=valid if padded else None, slot_mapping=slots, block_tables=tables,
-                        context_lens=torch.tensor(lengths), block_size=bs, new_tokens=torch.tensor(lengths))
+    meta = AttnMetadata(positions=torch.stack([p + torch.arange(T) for p in prefixes]),
+                        valid_index=idx if padded else None, query_valid=valid if padded else None,
+                        slot_mapping=slots, block_tables=tables, context_lens=torch.tensor(ctx), block_size=bs,
+                        new_tokens=torch.tensor(lengths))
     assert uses_kernel(meta, torch.float32)
-    cache = BlockKV(torch.zeros(B * nblk, bs, nkv, hd), torch.zeros(B * nblk, bs, nkv, hd))
-    import qbench.layers.attention as attention_mod
     with monkeypatch.context() as m:
-        m.setattr(attention_mod, "paged_attention", lambda *a: pytest.fail("a fresh prefill took the paged kernel"))
+        m.setattr(attention_mod, "paged_attention", lambda *a: pytest.fail("a prefill took the paged kernel"))
         got = attend(q, k, v, None, meta, cache, 0.25)
     ref = paged_attention(q, cache.k, cache.v, tables, meta.positions, meta.query_valid, None, 0.25)
     assert (got[valid] - ref[valid]).abs().max() < 1e-5

@@ -10,6 +10,23 @@ from qbench.layers.attention import AttnMetadata
 from qbench.models.base import CausalLM
 
 
+PAD_WASTE = 0.25  # the largest share of a pass's rows that may be padding
+
+
+def pad_groups(lengths: list[int]) -> list[list[int]]:
+    """Row indices grouped into passes, longest chunks first, so that padding is at most ``PAD_WASTE`` of
+    each pass's rows (a row alone is always its own pass)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and sum(lengths[j] for j in g) + lengths[i] >= (1 - PAD_WASTE) * (len(g) + 1) * lengths[g[0]]:
+            g.append(i)
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool):
         self.model = model
@@ -21,15 +38,33 @@ class ModelRunner:
         return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int64)
 
     def prefill(self, seqs: list[Sequence], all_logits: bool = False, lengths: list[int] | None = None) -> torch.Tensor:
-        """Run the next ``lengths[i]`` uncached tokens of each sequence (default: all of them) in one pass
+        """Run the next ``lengths[i]`` uncached tokens of each sequence (default: all of them)
         -> logits (B, V) at each chunk's last token, or (B, T, V) at every position with ``all_logits``.
 
-        Rows are right-padded to the longest chunk; pad tokens are never written to the cache
-        and every real token keeps its own absolute position.
+        Rows are right-padded to the longest chunk of their pass; pad tokens are never written to the
+        cache and every real token keeps its own absolute position. Chunks of very different lengths run
+        in separate passes (``pad_groups``): a 16-token chunk beside a 4,080-token one would otherwise
+        cost 4,080 rows of every linear.
         """
-        bs = self.block_size
         if lengths is None:
             lengths = [len(s) - s.num_cached for s in seqs]
+        groups = pad_groups(lengths)
+        if len(groups) == 1:
+            return self._prefill(seqs, lengths, all_logits)
+        outs = [(g, self._prefill([seqs[i] for i in g], [lengths[i] for i in g], all_logits)) for g in groups]
+        first = outs[0][1]
+        shape = (len(seqs), max(lengths), first.shape[-1]) if all_logits else (len(seqs), first.shape[-1])
+        logits = first.new_zeros(shape)
+        for g, out in outs:
+            for j, i in enumerate(g):
+                if all_logits:
+                    logits[i, : out.shape[1]] = out[j]  # (T_pass, V) of this row's pass
+                else:
+                    logits[i] = out[j]
+        return logits
+
+    def _prefill(self, seqs: list[Sequence], lengths: list[int], all_logits: bool) -> torch.Tensor:
+        bs = self.block_size
         chunks = [s.token_ids[s.num_cached: s.num_cached + n] for s, n in zip(seqs, lengths)]
         T = max(len(c) for c in chunks)
         ids, pos, valid, slots = [], [], [], []

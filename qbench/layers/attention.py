@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
 from qbench.kernels.ops import paged_attention
+from qbench.layers import prefill_attention as prefill
 from qbench.layers.kv import BlockKV
 
 
@@ -60,26 +61,6 @@ def build_mask(meta: AttnMetadata, group: int, sliding_window: int | None = None
     return mask[:, :, None, :].expand(B, T, group, L).reshape(B, 1, T * group, L)
 
 
-def _fresh_prefill(meta: AttnMetadata, T: int, window: int | None) -> bool:
-    """Every row starts its prompt in this step: its keys are exactly this step's keys, no cached prefix."""
-    return T > 1 and (window is None or T <= window) and bool((meta.positions[:, 0] == 0).all())
-
-
-def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, new_tokens: torch.Tensor | None,
-                 scale: float) -> torch.Tensor:
-    """Causal attention of each row's first ``new_tokens[b]`` queries over its own keys, on torch's blocked
-    (flash) CPU kernel: at 4k tokens about 5x the paged kernel, which takes one key at a time.
-    q (B, T, nh, hd), k/v (B, T, nkv, hd) -> (B, T, nh * hd); padded query rows get zeros."""
-    B, T, nh, hd = q.shape
-    out = q.new_zeros(B, T, nh * hd)
-    for b in range(B):
-        n = T if new_tokens is None else int(new_tokens[b])
-        qb, kb, vb = (t[b, :n].transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, n, hd)
-        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
-        out[b, :n] = o[0].transpose(0, 1).reshape(n, nh * hd)
-    return out
-
-
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,8 +87,9 @@ def attend(
             keys, values = (t.to(q.dtype) for t in cache.read_meta(meta))  # (B, nkv, L, hd)
         else:
             cache.write(meta.slot_mapping, kf, vf)
-            if mask is None and _fresh_prefill(meta, T, window):
-                return _causal_sdpa(q, k, v, meta.new_tokens, scale)
+            if mask is None and prefill.applies(T, meta.context_lens, window):
+                return prefill.prefill_attention(q, k, v, meta.positions, meta.new_tokens, meta.block_tables,
+                                                 cache.k, cache.v, scale)
             if mask is None:
                 return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.positions, meta.query_valid,
                                        window, scale)
