@@ -81,3 +81,39 @@ def test_preemption_recompute_matches_transformers_at_every_position(tiny_models
     assert recomputed  # a preempted request prefilled again from position 0, its generated tokens included
     assert any(g.shape[0] > len(s.prompt_ids) for s in recomputed for start, g in s.trace[1:] if start == 0)
     _check_every_position(hf, seqs)
+
+
+@pytest.mark.parametrize("weights", [None, {"bits": 4, "group_size": 32}, {"bits": 8, "group_size": None}])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_tokens_logits_do_not_depend_on_the_rest_of_the_batch(tiny_models, family, weights, monkeypatch,
+                                                               tmp_path):
+    """Every position's logits, alone and beside chunks of the other kernel class (longer and shorter than
+    DENSE_ROWS), to the bit: the linears pick their path by rows per sequence and the runner never pads a
+    chunk into a pass of the other kind (eval runs at batch 1 and 3, or across processes, must agree)."""
+    from qbench.layers import linear
+    monkeypatch.setattr(linear, "DENSE_ROWS", 16)
+    folder, _ = tiny_models[family]
+    if weights is None:
+        model = load_model(folder)
+    else:  # the integer kernels and the dequantize-then-oneDNN path round differently: the split must hold
+        import yaml
+        from qbench.quant.artifact import load_artifact
+        from qbench.quant.quantize import run_quantize
+        recipe = tmp_path / "r.yaml"
+        recipe.write_text(yaml.safe_dump({"name": "inv", "weights": {"method": "rtn", **weights}}))
+        run_quantize(str(folder), str(recipe), tmp_path / "art", log=lambda m: None)
+        model, _ = load_artifact(tmp_path / "art")
+
+    def traced(prompts):
+        eng = Engine(model, block_size=4, max_batch=4, prefix_cache=False)
+        eng.trace_logits = True
+        return eng.generate(prompts, GREEDY)[0].trace
+
+    long, short = list(range(3, 27)), list(range(3, 17))  # 24 tokens (dense path) and 14 (panel kernels)
+    cases = [(long, [list(range(40, 50))]), (long, [list(range(40, 50)), list(range(60, 82))]),
+             (long, [list(range(90, 126))]), (short, [list(range(40, 57))]), (short, [list(range(60, 64))]),
+             (short, [list(range(60, 72))])]  # two short chunks in one pass: 28 rows, still the panel kernels
+    for target, others in cases:
+        alone, mixed = traced([target]), traced([target] + others)
+        assert [s for s, _ in alone] == [s for s, _ in mixed]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(alone, mixed)), (len(target), [len(o) for o in others])

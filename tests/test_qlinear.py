@@ -13,7 +13,7 @@ IMPLS = ["native", "aten", "aten-bf16", "reference"]
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scheme", ["int8", "g32-sym", "g64-asym", "g128-sym", "g128-asym"])
 @pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536), (24, 77)])
-@pytest.mark.parametrize("M", [1, 2, 3, 8, 13, 131])  # 131: past DENSE_ROWS, dequantize + oneDNN
+@pytest.mark.parametrize("M", [1, 2, 3, 8, 13, 259])  # 259: past DENSE_ROWS, dequantize + oneDNN
 def test_fast_paths_match_the_reference(impl, scheme, N, K, M):
     if impl == "native" and not build.available():
         pytest.skip("native kernels not built here (no C compiler, or no AVX2/FMA/F16C)")
@@ -80,7 +80,6 @@ def test_the_prefill_path_dequantizes_exactly_the_reference_weights(monkeypatch,
     """At prefill sizes the native path dequantizes the panels; the weights it builds must equal
     ``dequantize`` bit for bit, including slabs that split the panels (the last one partial)."""
     from qbench.layers import linear as linear_mod
-    from qbench.quant import qlinear as ql
 
     g = torch.Generator().manual_seed(N * K)
     w = torch.randn(N, K, generator=g)
@@ -91,10 +90,10 @@ def test_the_prefill_path_dequantizes_exactly_the_reference_weights(monkeypatch,
     monkeypatch.setattr(linear_mod, "dense_matmul", lambda x2, wt, b: seen.append(wt.clone()) or real(x2, wt, b))
     monkeypatch.setattr(linear_mod, "SLAB_FLOATS", 48 * K)  # slabs of 48 columns
     lin = make_qlinear(q, None, "native")
-    lin(torch.randn(ql.DENSE_ROWS, K, generator=g))
+    lin(torch.randn(linear_mod.DENSE_ROWS, K, generator=g))
     assert torch.equal(torch.cat(seen, dim=1), dequantize(q).t())
     seen.clear()
-    lin(torch.randn(ql.DENSE_ROWS - 1, K, generator=g))
+    lin(torch.randn(linear_mod.DENSE_ROWS - 1, K, generator=g))
     assert not seen  # below DENSE_ROWS the integer kernels run
 
 

@@ -7,6 +7,7 @@ import torch
 from qbench.engine.kv_cache import KVPool
 from qbench.engine.sequence import Sequence
 from qbench.layers.attention import AttnMetadata
+from qbench.layers import linear
 from qbench.models.base import CausalLM
 
 
@@ -15,12 +16,16 @@ PAD_WASTE = 0.25  # the largest share of a pass's rows that may be padding
 
 def pad_groups(lengths: list[int]) -> list[list[int]]:
     """Row indices grouped into passes, longest chunks first, so that padding is at most ``PAD_WASTE`` of
-    each pass's rows (a row alone is always its own pass)."""
+    each pass's rows (a row alone is always its own pass). A chunk shorter than ``DENSE_ROWS`` never joins
+    a pass padded to ``DENSE_ROWS`` or more: the linears choose their kernel by a pass's padded length, and
+    a token's result must not depend on the chunks it shares a pass with."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     groups: list[list[int]] = []
     for i in order:
         g = groups[-1] if groups else None
-        if g is not None and sum(lengths[j] for j in g) + lengths[i] >= (1 - PAD_WASTE) * (len(g) + 1) * lengths[g[0]]:
+        if g is None or (lengths[i] >= linear.DENSE_ROWS) != (lengths[g[0]] >= linear.DENSE_ROWS):
+            groups.append([i])
+        elif sum(lengths[j] for j in g) + lengths[i] >= (1 - PAD_WASTE) * (len(g) + 1) * lengths[g[0]]:
             g.append(i)
         else:
             groups.append([i])

@@ -84,8 +84,9 @@ int qb_isa(void);
 static int qb_isa_wide(void);
 
 /* INT8 on AVX-512: a panel's 16 columns are one zmm, so each k costs one widening load, one convert and
- * one FMA per row, half the AVX2 path's instructions. U independent accumulators per row over k hide the
- * FMA latency: 4 for one or two rows (decode, where this kernel is compute-bound: the lm_head), 2 above. */
+ * one FMA per row, half the AVX2 path's instructions. Four independent accumulators per row over k hide the
+ * FMA latency (24 registers at 6 rows); every tile size sums in the same order, so a row's result does not
+ * depend on how many rows share its call. */
 static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, const int U, const float *x,
                                                                 const int8_t *w, long K, const float *scale,
                                                                 float *y, long N, long nvalid) {
@@ -127,12 +128,12 @@ static AVX512 void panel_i8z(long M, const float *x, const int8_t *w, long K, co
         const float *xm = x + m0 * K;
         float *ym = y + m0 * N;
         switch (mt) {
-            case 6: tile_i8z(6, 2, xm, w, K, scale, ym, N, nvalid); break;
-            case 5: tile_i8z(5, 2, xm, w, K, scale, ym, N, nvalid); break;
-            case 4: tile_i8z(4, 2, xm, w, K, scale, ym, N, nvalid); break;
-            case 3: tile_i8z(3, 2, xm, w, K, scale, ym, N, nvalid); break;
-            case 2: tile_i8z(2, 2, xm, w, K, scale, ym, N, nvalid); break;
-            default: tile_i8z(1, 2, xm, w, K, scale, ym, N, nvalid); break;
+            case 6: tile_i8z(6, 4, xm, w, K, scale, ym, N, nvalid); break;
+            case 5: tile_i8z(5, 4, xm, w, K, scale, ym, N, nvalid); break;
+            case 4: tile_i8z(4, 4, xm, w, K, scale, ym, N, nvalid); break;
+            case 3: tile_i8z(3, 4, xm, w, K, scale, ym, N, nvalid); break;
+            case 2: tile_i8z(2, 4, xm, w, K, scale, ym, N, nvalid); break;
+            default: tile_i8z(1, 4, xm, w, K, scale, ym, N, nvalid); break;
         }
     }
 }

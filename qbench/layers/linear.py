@@ -8,9 +8,15 @@ which is the faster of torch's paths here. ``qbench bench`` measures both.
 
 The panel kernel keeps a tile of at most 6 rows of x in registers and re-reads all of x for every
 panel, so at prefill sizes (thousands of rows) it streams x from beyond the L2 cache once per 16
-output columns. From ``DENSE_ROWS`` rows on, the weight is unpacked once per call (a few ms) and
-the product runs on oneDNN's cache-blocked GEMM (AVX-512 where the CPU has it): on a 2-core Xeon,
+output columns. From ``DENSE_ROWS`` rows per sequence on, the weight is unpacked once per call (a few ms)
+and the product runs on oneDNN's cache-blocked GEMM (AVX-512 where the CPU has it): on a 2-core Xeon,
 1.3x to 1.5x the panel kernel at 4,096 rows. Quantized linears use the same split (``qlinear``).
+
+Both paths compute each row on its own, in the same order whatever the other rows are, and the choice
+between them is made on rows per sequence (``x.shape[-2]``: a prefill chunk's padded length, 1 in decode),
+not on the batch's total: together with the runner, which never pads a chunk into a pass of the other
+kind, a token's result does not depend on what else is in the batch (eval runs at batch 1, 3 or across
+processes agree to the bit).
 """
 
 from __future__ import annotations
@@ -22,9 +28,14 @@ from qbench.kernels import build as kernels
 from qbench.kernels.ops import gemm_packed, pack_panels, unpack_panels
 
 _DNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-DENSE_ROWS = 512  # rows of x from which a packed weight is unpacked for oneDNN (measured: see above)
+DENSE_ROWS = 256  # rows per sequence from which linears take the dense path (measured: see above and qlinear)
 SLAB_FLOATS = 8 << 20  # a dense weight is made this many values (32 MiB) at a time: a 151,936-row head is not
 # unpacked whole (545 MB) for one call
+
+
+def takes_dense(x: torch.Tensor) -> bool:
+    """x (..., T, K): T rows per sequence (M for a 2-D x) reach ``DENSE_ROWS``."""
+    return x.dim() >= 2 and x.shape[-2] >= DENSE_ROWS
 
 
 def dense_matmul(x2: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -86,7 +97,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return dense_matmul(x, self.weight_t, self.bias)
-        if x.numel() < DENSE_ROWS * self.in_features or x.dtype != torch.float32:
+        if not takes_dense(x) or x.dtype != torch.float32:
             return gemm_packed(x, self.packed, self.bias, self.out_features)
         x2 = x.reshape(-1, self.in_features).contiguous()
         y = dense_by_slabs(x2, self.out_features,

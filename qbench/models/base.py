@@ -57,8 +57,11 @@ class CausalLM(torch.nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, mask, meta, None if caches is None else caches[i])
         if logits_index is not None:
-            x = x[torch.arange(x.shape[0]), logits_index]  # (B, H)
-        logits = self.lm_head(self.final_norm(x)).float()  # (..., V) or this rank's (..., V / p)
+            # (B, 1, H): one row per sequence, so the head picks its kernel by rows per sequence, not by B
+            x = x[torch.arange(x.shape[0]), logits_index].unsqueeze(1)
+        logits = self.lm_head(self.final_norm(x)).float()  # (B, T, V) or this rank's (B, T, V / p)
+        if logits_index is not None:
+            logits = logits.squeeze(1)  # (B, V)
         return logits if self.tp is None else self.tp.gather_vocab(logits)
 
     def weight_bytes(self) -> int:

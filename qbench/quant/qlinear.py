@@ -17,14 +17,13 @@ import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
 from qbench.kernels.ops import dequant_i4, dequant_i8
-from qbench.layers.linear import dense_by_slabs
+from qbench.layers.linear import dense_by_slabs, takes_dense
 from qbench.quant.primitives import QTensor, dequantize, padded_width
 
 PANEL = 16
-# From this many rows of x on, the native path dequantizes the weight once per call and runs oneDNN's
-# blocked fp32 GEMM: the integer kernels re-read x for every 16-column panel and fall to 40-90 GFLOP/s
-# at prefill sizes, against about 200 for the blocked GEMM (2-core Xeon, Qwen2.5-0.5B's shapes).
-DENSE_ROWS = 128
+# From ``linear.DENSE_ROWS`` rows per sequence on, the native path dequantizes the weight once per call and
+# runs oneDNN's blocked fp32 GEMM: the integer kernels re-read x for every 16-column panel and fall to 40-90
+# GFLOP/s at prefill sizes, against about 200 for the blocked GEMM (2-core Xeon, Qwen2.5-0.5B's shapes).
 IMPLS = ("native", "aten", "aten-bf16", "reference")
 
 
@@ -80,7 +79,7 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = self._matmul(x2)
+        y = self._matmul(x2, takes_dense(x))
         bias = self._parameters.get("bias")  # None: no bias (then a plain attribute)
         if bias is not None:
             y += bias
@@ -119,10 +118,10 @@ class Int8Linear(QuantLinear):
             codes, scale = self.codes_nk[ids, : self.in_features], self.scale32[ids]
         return codes.float() * scale.float()[:, None]
 
-    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x2: torch.Tensor, dense: bool) -> torch.Tensor:
         if self.impl.startswith("aten"):
             return torch.ops.aten._weight_int8pack_mm(self._aten_input(x2), self.codes_nk, self.scale32).float()
-        if x2.shape[0] >= DENSE_ROWS:
+        if dense:
             return dense_by_slabs(x2, self.out_features, lambda p0, p1, c: dequant_i8(
                 self.panels[p0:p1], self.scale32[p0 * PANEL:], c), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
@@ -162,12 +161,12 @@ class Int4Linear(QuantLinear):
             sz = torch.stack([s.t(), offset.t()], -1).to(self._act_dtype)
             self.register_buffer("aten_sz", sz.contiguous())  # (ngroups, N, 2)
 
-    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+    def _matmul(self, x2: torch.Tensor, dense: bool) -> torch.Tensor:
         if self.impl.startswith("aten"):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._aten_input(x2), self.aten_packed, self.group_size,
                                                            self.aten_sz).float()
             return y[:, : self.out_features].contiguous() if y.shape[1] != self.out_features else y
-        if x2.shape[0] >= DENSE_ROWS:
+        if dense:
             return dense_by_slabs(x2, self.out_features, lambda p0, p1, c: dequant_i4(
                 self.panels[p0:p1], self.scales16[p0:p1], self.zeros8[p0:p1], self.in_features, c,
                 self.group_size), None)
