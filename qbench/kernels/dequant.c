@@ -40,10 +40,10 @@ void qb_dequant_i4(const uint8_t *wp, const uint16_t *scales, const uint8_t *zer
     long K4 = (K + 3) & ~3L;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
-        const uint8_t *w = wp + p * K4 * (PANEL / 2);
-        const uint16_t *sc = scales + p * ngroups * PANEL;
-        const uint8_t *zp = zeros + p * ngroups * PANEL;
-        long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
+        i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
+        const uint8_t *w = pn.w, *zp = pn.zp;
+        const uint16_t *sc = pn.sc;
+        long n0 = pn.n0, nvalid = pn.nvalid;
         for (long gi = 0; gi < ngroups; gi++) {
             __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
             __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));

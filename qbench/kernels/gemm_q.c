@@ -408,12 +408,9 @@ void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const
     }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
-        const uint8_t *w = wp + p * K4 * (PANEL / 2);
-        const uint16_t *sc = scales + p * ngroups * PANEL;
-        const uint8_t *zp = zeros + p * ngroups * PANEL;
-        long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        if (wide) panel_i4z(M, xq, ldq, sx16, xs16, w, sc, zp, K4, G, ngroups, y + n0, N, nvalid);
-        else panel_i4q(M, x16, sx16, xs16, w, sc, zp, K4, G, ngroups, y + n0, N, nvalid);
+        i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
+        if (wide) panel_i4z(M, xq, ldq, sx16, xs16, pn.w, pn.sc, pn.zp, K4, G, ngroups, y + pn.n0, N, pn.nvalid);
+        else panel_i4q(M, x16, sx16, xs16, pn.w, pn.sc, pn.zp, K4, G, ngroups, y + pn.n0, N, pn.nvalid);
     }
     free(x16);
     free(sx16);

@@ -1,6 +1,7 @@
 /* Shared by the panel GEMM kernels: 16 output columns per panel, stored from two registers. */
 #pragma once
 #include <immintrin.h>
+#include <stdint.h>
 
 #define PANEL 16
 
@@ -12,6 +13,18 @@ static inline void store16(float *y, __m256 r0, __m256 r1, long nvalid) {
     _mm256_storeu_ps(tmp, r0);
     _mm256_storeu_ps(tmp + 8, r1);
     for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
+}
+
+/* Panel p of an INT4 weight in qb_gemm_i4's layout: its packed codes, fp16 scales and zero points, and the
+ * output columns it covers. */
+typedef struct { const uint8_t *w; const uint16_t *sc; const uint8_t *zp; long n0, nvalid; } i4_panel;
+
+static inline i4_panel i4_panel_at(const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros, long p,
+                                   long K4, long ngroups, long N) {
+    i4_panel r = {wp + p * K4 * (PANEL / 2), scales + p * ngroups * PANEL, zeros + p * ngroups * PANEL,
+                  p * PANEL, 0};
+    r.nvalid = N - r.n0 < PANEL ? N - r.n0 : PANEL;
+    return r;
 }
 
 /* Rows of tile t when M rows are split into ceil(M / 6) tiles of nearly equal size: a batch of 8
