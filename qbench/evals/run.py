@@ -116,6 +116,8 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     ctx = RunContext(store, None if baseline is None else RunStore(baseline), suite.seed, suite.path)
     results, task_seconds = {}, {}
     t0 = time.perf_counter()
+    # read before any task runs: the checkout may move (a pull) while a long eval computes
+    commit = source_commit()
     for name, cfg in suite.tasks.items():
         log(f"{name} ...")
         seed_everything(suite.seed)
@@ -123,7 +125,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
         results[name] = TASKS[name].run(subject, cfg, ctx)
         task_seconds[name] = time.perf_counter() - t1
     # wall time of this invocation per task: a resumed run counts only what it computed
-    record = dict(header, tasks=results, versions=dict(versions(), qbench_commit=source_commit()), seconds=time.perf_counter() - t0, task_seconds=task_seconds,
+    record = dict(header, tasks=results, versions=dict(versions(), qbench_commit=commit), seconds=time.perf_counter() - t0, task_seconds=task_seconds,
                   machine=dict(machine(), processes=dist.world),
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     if not dist.main:
