@@ -45,11 +45,10 @@ void qb_dequant_i4(const uint8_t *wp, const uint16_t *scales, const uint8_t *zer
         const uint16_t *sc = pn.sc;
         long n0 = pn.n0, nvalid = pn.nvalid;
         for (long gi = 0; gi < ngroups; gi++) {
-            __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL)));
-            __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + gi * PANEL + 8)));
-            __m128i zb = _mm_loadu_si128((const __m128i *)(zp + gi * PANEL));
-            __m256 z0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(zb));
-            __m256 z1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8)));
+            __m256 s0, s1;
+            __m256i zi0, zi1;
+            group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &zi0, &zi1);
+            __m256 z0 = _mm256_cvtepi32_ps(zi0), z1 = _mm256_cvtepi32_ps(zi1);
             long k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
             for (long k = gi * G; k < k1; k++) {
                 const uint8_t *pair = w + (k >> 1) * PANEL;

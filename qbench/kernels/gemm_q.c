@@ -81,23 +81,23 @@ static inline __attribute__((always_inline)) void tile_i8_small(const int MT, co
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 int qb_isa(void);
-static int qb_isa_wide(void);
 
 /* INT8 on AVX-512: a panel's 16 columns are one zmm, so each k costs one widening load, one convert and
  * one FMA per row, half the AVX2 path's instructions. Four independent accumulators per row over k hide the
  * FMA latency (24 registers at 6 rows); every tile size sums in the same order, so a row's result does not
  * depend on how many rows share its call. */
-static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, const int U, const float *x,
+#define U8 4  /* accumulators per row */
+static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, const float *x,
                                                                 const int8_t *w, long K, const float *scale,
                                                                 float *y, long N, long nvalid) {
-    __m512 acc[6][4];
+    __m512 acc[6][U8];
     for (int i = 0; i < MT; i++)
-        for (int u = 0; u < U; u++) acc[i][u] = _mm512_setzero_ps();
+        for (int u = 0; u < U8; u++) acc[i][u] = _mm512_setzero_ps();
     long k = 0;
-    for (; k + U <= K; k += U) {
+    for (; k + U8 <= K; k += U8) {
         if ((k & 3) == 0) PREFETCH(w + k * PANEL);
         #pragma GCC unroll 4
-        for (int u = 0; u < U; u++) {
+        for (int u = 0; u < U8; u++) {
             __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (k + u) * PANEL))));
             #pragma GCC unroll 6
             for (int i = 0; i < MT; i++) acc[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k + u]), wv, acc[i][u]);
@@ -111,38 +111,22 @@ static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, 
     __mmask16 m = (__mmask16)((1u << nvalid) - 1);
     for (int i = 0; i < MT; i++) {
         __m512 r = acc[i][0];
-        for (int u = 1; u < U; u++) r = _mm512_add_ps(r, acc[i][u]);
+        for (int u = 1; u < U8; u++) r = _mm512_add_ps(r, acc[i][u]);
         _mm512_mask_storeu_ps(y + i * N, m, _mm512_mul_ps(r, s));
     }
 }
 
 static AVX512 void panel_i8z(long M, const float *x, const int8_t *w, long K, const float *scale, float *y,
                              long N, long nvalid) {
-    if (M <= 2) {
-        if (M == 2) tile_i8z(2, 4, x, w, K, scale, y, N, nvalid);
-        else tile_i8z(1, 4, x, w, K, scale, y, N, nvalid);
-        return;
-    }
-    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
-        long mt = tile_rows(M, t);
-        const float *xm = x + m0 * K;
-        float *ym = y + m0 * N;
-        switch (mt) {
-            case 6: tile_i8z(6, 4, xm, w, K, scale, ym, N, nvalid); break;
-            case 5: tile_i8z(5, 4, xm, w, K, scale, ym, N, nvalid); break;
-            case 4: tile_i8z(4, 4, xm, w, K, scale, ym, N, nvalid); break;
-            case 3: tile_i8z(3, 4, xm, w, K, scale, ym, N, nvalid); break;
-            case 2: tile_i8z(2, 4, xm, w, K, scale, ym, N, nvalid); break;
-            default: tile_i8z(1, 4, xm, w, K, scale, ym, N, nvalid); break;
-        }
-    }
+    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++))
+        SWITCH_ROWS(tile_rows(M, t), tile_i8z, x + m0 * K, w, K, scale, y + m0 * N, N, nvalid)
 }
 
 /* x (M, K) fp32; wp (P, K, 16) int8; scale (P * 16) fp32 (padded); y (M, N). */
 void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
                 int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
-    int wide = qb_isa_wide();
+    int wide = qb_isa() == 512;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
         const int8_t *w = wp + p * K * PANEL;
@@ -201,16 +185,6 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
 static inline void store_acc(const float *acc, int MT, float *y, long N, long nvalid) {
     for (int i = 0; i < MT; i++)
         store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
-}
-
-/* One group's 16 fp16 weight scales and 16 zero points, widened for columns 0-7 and 8-15. */
-static inline __attribute__((always_inline)) void group_params(const uint16_t *sc, const uint8_t *zp, __m256 *s0,
-                                                              __m256 *s1, __m256i *z0, __m256i *z1) {
-    *s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
-    *s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8)));
-    __m128i zb = _mm_loadu_si128((const __m128i *)zp);
-    *z0 = _mm256_cvtepu8_epi32(zb);
-    *z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8));
 }
 
 static inline __attribute__((always_inline)) void tile_i4q(const int MT, const int16_t *x16, const float *sx16,
@@ -360,8 +334,6 @@ static void panel_i4q(long M, const int16_t *x16, const float *sx16, const int32
 static int use_avx512 = -1;
 
 void qb_set_isa(int level) { use_avx512 = level >= 512; }
-
-static int qb_isa_wide(void) { return qb_isa() == 512; }
 
 int qb_isa(void) {
     if (use_avx512 < 0) {

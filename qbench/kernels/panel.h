@@ -15,6 +15,16 @@ static inline void store16(float *y, __m256 r0, __m256 r1, long nvalid) {
     for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
 }
 
+/* One group's 16 fp16 weight scales and 16 zero points, widened for columns 0-7 and 8-15. */
+static inline __attribute__((always_inline)) void group_params(const uint16_t *sc, const uint8_t *zp, __m256 *s0,
+                                                              __m256 *s1, __m256i *z0, __m256i *z1) {
+    *s0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
+    *s1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 8)));
+    __m128i zb = _mm_loadu_si128((const __m128i *)zp);
+    *z0 = _mm256_cvtepu8_epi32(zb);
+    *z1 = _mm256_cvtepu8_epi32(_mm_srli_si128(zb, 8));
+}
+
 /* Panel p of an INT4 weight in qb_gemm_i4's layout: its packed codes, fp16 scales and zero points, and the
  * output columns it covers. */
 typedef struct { const uint8_t *w; const uint16_t *sc; const uint8_t *zp; long n0, nvalid; } i4_panel;
