@@ -89,6 +89,8 @@ def test_eval_runs_are_reproducible_resumable_and_batch_invariant(tmp_path, smol
     assert ra["suite"]["seed"] == 7 and len(ra["suite"]["hash"]) == 16 and ra["batch_size"] == 3
     assert len(ra["subject"]["weights_sha256"]) == 64 and ra["versions"]["torch"]
     assert set(ra["task_seconds"]) == set(ra["tasks"]) and sum(ra["task_seconds"].values()) <= ra["seconds"]
+    seg, = ra["versions"]["code_segments"]  # one invocation computed every item and chunk
+    assert seg["commit"] == ra["versions"]["qbench_commit"] and seg["computed"]["chunks"] == 3
     # the same command again, from scratch: identical numbers
     assert qbench("eval", SMOL, "--suite", s, "--out", str(b)).returncode == 0
     rb = json.loads((b / "results.json").read_text())
@@ -98,7 +100,8 @@ def test_eval_runs_are_reproducible_resumable_and_batch_invariant(tmp_path, smol
     next((b / "parts").glob("*/chunk_00001.safetensors")).unlink()
     (b / "items" / "perplexity.jsonl").write_text("{\"key\": \"doc_0")  # a line torn by Ctrl-C
     assert qbench("eval", SMOL, "--suite", s, "--out", str(b)).returncode == 0
-    assert strip_timings(json.loads((b / "results.json").read_text())) == strip_timings(ra)
+    assert strip_timings(json.loads((b / "results.json").read_text())) == strip_timings(ra)  # code_segments too:
+    assert len((b / "segments.jsonl").read_text().splitlines()) == 2  # resumed on the same commit, one segment
     # batch 1 against the suite's batch of 3: equal-length windows, so the same numbers up to float rounding
     # (the same subject as its baseline: the run reports the comparison, identical or not)
     c = tmp_path / "c"

@@ -63,7 +63,7 @@ def test_the_report_holds_every_variants_numbers_from_the_records(runs, tmp_path
     md = (out / "report.md").read_text()
     assert "not significant" in md and "## Paired significance" in md and "figures/kld_cdf.png" in md
     commits = {json.loads((runs / r / "results.json").read_text())["versions"]["qbench_commit"] for r in ("fp", "kv4")}
-    assert set(s["code"].values()) == commits and len(commits) == 1  # this checkout's commit, recorded by eval
+    assert all(c == list(commits) for c in s["code"].values()) and len(commits) == 1  # this checkout's, by eval
     assert f"Code: every run by qbench {next(iter(commits))[:12]}" in md
     html = (out / "report.html").read_text()
     srcs = re.findall(r"src='([^']*)'", html)
@@ -170,3 +170,30 @@ def test_the_report_says_when_its_runs_were_made_by_different_code():
     assert one == f"Code: every run by qbench {'a' * 12}."
     mixed = code_line({"code": {"fp32": None, "w8": None, "w4": "b" * 40 + "+dirty"}})
     assert mixed == f"Code: the runs were made by different qbench commits (fp32, w8: (commit not recorded); w4: {'b' * 12}+dirty)."
+    resumed = code_line({"code": {"fp32": ["a" * 40], "w4": [None, "a" * 40], "w8": ["c" * 40, "a" * 40]}})
+    assert resumed == (f"Code: the runs were made by different qbench commits (fp32: {'a' * 12}; w4: (commit not "
+                       f"recorded) then {'a' * 12} (resumed); w8: {'c' * 12} then {'a' * 12} (resumed)).")
+
+
+def test_a_run_resumed_on_other_code_records_what_each_commit_computed(tmp_path):
+    import torch
+
+    from qbench.evals.provenance import code_segments, commits_of, open_segment
+    from qbench.evals.store import RunStore
+    store = RunStore(tmp_path / "run")
+    store.add_item("needle", {"key": "n0"})  # stored by a qbench that kept no segments
+    open_segment(store, "a" * 40)
+    store.add_item("needle", {"key": "n1"})
+    store.save_part("kld", "chunk_00000", {"x": torch.zeros(2)})
+    open_segment(store, "a" * 40)  # interrupted, resumed on the same code: one segment
+    store.add_item("gsm8k", {"key": "g0"})
+    open_segment(store, "b" * 40)  # pulled, resumed: computes one more item
+    store.add_item("gsm8k", {"key": "g1"})
+    store.add_item("gsm8k", {"key": "g1"})  # a redone item counts once
+    open_segment(store, "c" * 40)  # a rerun that only reloads: computed nothing, not listed
+    segs = code_segments(store)
+    assert segs == [{"commit": None, "computed": {"needle": 1}},
+                    {"commit": "a" * 40, "computed": {"needle": 1, "kld": 1, "gsm8k": 1}},
+                    {"commit": "b" * 40, "computed": {"gsm8k": 1}}]
+    assert commits_of({"versions": {"code_segments": segs, "qbench_commit": "c" * 40}}) == [None, "a" * 40, "b" * 40]
+    assert commits_of({"versions": {"qbench_commit": "c" * 40}}) == ["c" * 40]  # a run from before segments

@@ -89,6 +89,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     """Score ``model`` on a suite. Under torchrun (or with ``distributed``) the items of every task are
     dealt across the ranks and gathered; rank 0 writes the run, which equals a one-process run's."""
     from qbench.dist.comm import Dist
+    from qbench.evals.provenance import code_segments, open_segment
     from qbench.evals.subject import Subject
     from qbench.evals.tasks import TASKS
     from qbench.quant.quantize import source_commit, versions
@@ -118,6 +119,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     t0 = time.perf_counter()
     # read before any task runs: the checkout may move (a pull) while a long eval computes
     commit = source_commit()
+    open_segment(store, commit)
     for name, cfg in suite.tasks.items():
         log(f"{name} ...")
         seed_everything(suite.seed)
@@ -125,7 +127,9 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
         results[name] = TASKS[name].run(subject, cfg, ctx)
         task_seconds[name] = time.perf_counter() - t1
     # wall time of this invocation per task: a resumed run counts only what it computed
-    record = dict(header, tasks=results, versions=dict(versions(), qbench_commit=commit), seconds=time.perf_counter() - t0, task_seconds=task_seconds,
+    record = dict(header, tasks=results, versions=dict(versions(), qbench_commit=commit,
+                                                         code_segments=code_segments(store)),
+                  seconds=time.perf_counter() - t0, task_seconds=task_seconds,
                   machine=dict(machine(), processes=dist.world),
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     if not dist.main:

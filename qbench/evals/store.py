@@ -40,20 +40,18 @@ class RunStore:
         return out
 
     def add_item(self, task: str, rec: dict) -> None:
-        if not self.write:
-            return
-        path = self.jsonl(task)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a+b") as f:
-            # an interrupt can leave a torn last line: start on a fresh line, or this record would join it
-            # and be lost with it on the next resume
-            torn = False
-            if f.seek(0, os.SEEK_END) > 0:
-                f.seek(-1, os.SEEK_END)
-                torn = f.read(1) != b"\n"
-            f.write((("\n" if torn else "") + json.dumps(rec, sort_keys=True) + "\n").encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
+        if self.write:
+            append_line(self.jsonl(task), rec)
+
+    def counts(self) -> dict[str, int]:
+        """How many items and chunk parts each task has stored: what a resumed run will not compute again."""
+        out: dict[str, int] = {}
+        for f in sorted((self.root / "items").glob("*.jsonl")):
+            out[f.stem] = out.get(f.stem, 0) + len(self.load_items(f.stem))
+        for d in sorted(p for p in (self.root / "parts").glob("*") if p.is_dir()):
+            name = "chunks" if d.name.startswith("chunks-") else d.name  # the KLD/perplexity windows, shared
+            out[name] = out.get(name, 0) + sum(1 for f in d.glob("*.safetensors") if not f.name.startswith("."))
+        return out
 
     def part(self, task: str, key: str) -> Path:
         return self.root / "parts" / task / f"{key}.safetensors"
@@ -82,3 +80,18 @@ class RunStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def append_line(path: Path, rec: dict) -> None:
+    """Append one JSON line durably; a line torn by an earlier interrupt is left alone on its own line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        # an interrupt can leave a torn last line: start on a fresh line, or this record would join it
+        # and be lost with it on the next resume
+        torn = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        f.write((("\n" if torn else "") + json.dumps(rec, sort_keys=True) + "\n").encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())

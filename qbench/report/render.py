@@ -61,17 +61,21 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
 
 
 def code_line(summary: dict) -> str:
-    """Which qbench code made the runs: one commit, or the groups when they differ."""
+    """Which qbench code made the runs: one commit, or the groups when they differ. A run resumed on other
+    code lists its commits in the order they computed it."""
     def short(c):
         return "(commit not recorded)" if not c else c[:12] + ("+dirty" if c.endswith("+dirty") else "")
     groups: dict = {}
-    for name, commit in summary.get("code", {}).items():
-        groups.setdefault(commit, []).append(name)
+    for name, commits in summary.get("code", {}).items():
+        commits = commits if isinstance(commits, list) else [commits]
+        groups.setdefault(tuple(commits), []).append(name)
+    def said(commits):
+        return " then ".join(short(c) for c in commits) + (" (resumed)" if len(commits) > 1 else "")
     if len(groups) <= 1:
-        commit = next(iter(groups), None)
-        return f"Code: every run by qbench {short(commit)}."
+        commits = next(iter(groups), (None,))
+        return f"Code: every run by qbench {said(commits)}."
     return ("Code: the runs were made by different qbench commits (" + "; ".join(
-        f"{', '.join(names)}: {short(c)}" for c, names in groups.items()) + ").")
+        f"{', '.join(names)}: {said(c)}" for c, names in groups.items()) + ").")
 
 
 def detectable(mde: dict | None) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from qbench.evals.provenance import commits_of
 from qbench.report.collect import Variant
 
 ALPHA = 0.05
@@ -98,5 +99,5 @@ def build(variants: list[Variant]) -> dict:
     return {"suite": {k: base.record["suite"][k] for k in ("name", "hash", "seed")},
             "baseline": base.name, "alpha": ALPHA,
             "variants": [variant_row(v) for v in variants],
-            "code": {v.name: v.record.get("versions", {}).get("qbench_commit") for v in variants},
+            "code": {v.name: commits_of(v.record) for v in variants},
             "paired": {v.name: paired_tests(v) for v in variants[1:]}}
