@@ -81,6 +81,7 @@ def run_tp_bench(model: str, allreduce: str, prompt_len: int = 64, gen_len: int 
             "all_reduces_per_forward": (coll.all_reduces - before) / steps}
     ranks = d.gather([(d.rank, mine)], d.world)
     sweep = ring_sweep(m.config.hidden_size)
+    d.close()
     if not d.main:
         return None
     return {"model": model, "processes": d.world, "allreduce": allreduce, "prompt_len": prompt_len,

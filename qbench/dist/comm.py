@@ -67,3 +67,13 @@ class Dist:
         if self.world > 1:
             import torch.distributed as dist
             dist.barrier()
+
+    def close(self) -> None:
+        """Every rank meets, then tears its process group down. A rank that simply exits while another
+        still holds the group can abort in gloo's teardown ("terminate called without an active
+        exception"), and torchrun then reports the whole run failed."""
+        if self.world > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()

@@ -132,6 +132,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
                   seconds=time.perf_counter() - t0, task_seconds=task_seconds,
                   machine=dict(machine(), processes=dist.world),
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    dist.close()  # every collective is done; what follows is rank 0's writing
     if not dist.main:
         return record
     if base is not None and same_subject(record, base):
