@@ -31,6 +31,18 @@ def test_bench_reports_speed_memory_and_agreement(tmp_path, smollm2):
     for key in [("qbench", 1), ("qbench", 2), ("hf-generate", 2), ("nocache", 1)]:
         assert cases[key]["greedy_match_vs_hf"] == 1.0
     assert set(report["ratios"]) >= {"qbench/hf@1", "qbench/hf-generate@2", "qbench/nocache@1"}
+    # the roofline: this machine's read bandwidth, and what each decode step reads
+    bw = report["machine"]["read_bandwidth"]
+    assert bw["bytes_per_s"] > 1e9 and bw["buffer_bytes"] >= 8 * (bw["last_level_cache_bytes"] or 0)
+    assert q["peak_rss_bytes"] < bw["buffer_bytes"]  # measured in its own process: no case inherits its buffer
+    assert "read bandwidth" in proc.stdout and "roofline" in proc.stdout
+    roof = q["roofline"]
+    assert q["decode_weight_bytes"] == q["weight_bytes"]  # tied: the head reads the table whole
+    assert roof["bytes_per_step"] == int(q["weight_bytes"] + 2 * (16 + 5 / 2) * per_token)
+    assert roof["ceiling_tok_s"] == 2 * bw["bytes_per_s"] / roof["bytes_per_step"]
+    assert roof["fraction"] == q["decode_tok_s"] / roof["ceiling_tok_s"] and 0 < roof["fraction"] < 1.5
+    assert cases[("hf", 1)]["roofline"]["kv_bytes_per_token"] == per_token
+    assert "roofline" not in cases[("nocache", 1)]  # it recomputes the prompt every step: no such ceiling
 
 
 def test_bench_runs_quantized_variants_beside_the_fp_engine(tmp_path, smollm2):
@@ -71,13 +83,41 @@ def test_bench_runs_quantized_kv_caches_beside_the_fp_cache(tmp_path, smollm2):
     assert "KV B/token" in proc.stdout and "6480 (0.28x fp16)" in proc.stdout
 
 
+def test_a_decode_step_reads_the_head_but_not_an_untied_embedding_table(tiny_models, tmp_path):
+    import torch
+
+    from qbench.bench.peers import hf_decode_bytes
+    from qbench.bench.roofline import step_bytes
+    from qbench.models.registry import load_model
+    from qbench.quant.artifact import load_artifact
+    from qbench.quant.quantize import run_quantize
+    for family, tied in (("llama", False), ("llama-tied-bias", True)):
+        folder, hf = tiny_models[family]
+        m = load_model(folder, torch.float32)
+        table = 128 * 64 * 4  # vocab x hidden, fp32
+        assert m.decode_weight_bytes() == m.weight_bytes() - (0 if tied else table)
+        hf_all = sum(t.nbytes for t in {t.untyped_storage().data_ptr(): t for t in hf.state_dict().values()}.values())
+        assert hf_decode_bytes(hf) == hf_all - (0 if tied else table)
+    # an INT8 embedding table of its own (Qwen's h8e8): codes and scales are left out, the INT8 head is read
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nweights: {bits: 4, group_size: 32, lm_head: {bits: 8}, embedding: int8}\n")
+    run_quantize(str(tiny_models["llama"][0]), str(recipe), tmp_path / "q", log=lambda s: None)
+    q, _ = load_artifact(tmp_path / "q")
+    emb = getattr(q, q.embed_attr)
+    emb_bytes = sum(t.nbytes for t in [*emb.parameters(), *emb.buffers()])
+    assert emb_bytes >= 128 * 64 and q.decode_weight_bytes() == q.weight_bytes() - emb_bytes
+    # KV: the context grows from the prompt to prompt + gen - 1, and the residual window is per sequence
+    assert step_bytes(1000, 10, batch=2, prompt_len=8, gen_len=5) == 1000 + 2 * 10 * 10
+    assert step_bytes(1000, 10, 2, 8, 5, kv_bytes_per_sequence=7) == 1000 + 2 * (10 * 10 + 7)
+
+
 def test_a_case_whose_process_dies_is_reported_not_waited_on_forever():
     # llama-cpp-python built for AMX segfaults on some VMs; multiprocessing.Pool.apply would then hang
     import signal
 
     import pytest
 
-    from qbench.bench.runner import CaseCrashed, run_isolated
+    from qbench.bench.isolate import CaseCrashed, run_isolated
     from qbench.kernels.build import cpu_supports, machine
     assert run_isolated(abs, -3) == 3
     with pytest.raises(TypeError):  # an exception in the case is raised in the parent

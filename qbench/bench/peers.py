@@ -17,6 +17,19 @@ def hf_cache_bytes(cache) -> int:
     return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
 
 
+def hf_decode_bytes(model) -> int:
+    """Tensor bytes a transformers decode step reads: all but an input embedding not tied to the head."""
+    from qbench.models.base import unique_storage_bytes
+
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tensors = list(model.state_dict().values())
+    if head is not None and head.weight.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr():
+        return unique_storage_bytes(tensors)
+    ptr = emb.untyped_storage().data_ptr()
+    return unique_storage_bytes([t for t in tensors if t.untyped_storage().data_ptr() != ptr])
+
+
 def run_hf_generate(model, prompts: list[list[int]], gen_len: int, pad_id: int) -> dict:
     """Time ``model.generate`` (greedy, exactly gen_len tokens) with a per-step timestamp hook."""
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -74,4 +87,15 @@ def run_llama_cpp(gguf: Path, prompt: list[int], gen_len: int, threads: int) -> 
         steps.append(time.perf_counter() - t0)
     size = gguf.stat().st_size
     llm.close()
-    return {"prefill_s": prefill, "decode_s": steps, "batch": 1, "weight_bytes": size, "tokens": tokens}
+    return {"prefill_s": prefill, "decode_s": steps, "batch": 1, "weight_bytes": size, "tokens": tokens,
+            "decode_weight_bytes": gguf_decode_bytes(gguf)}
+
+
+def gguf_decode_bytes(gguf: Path) -> int:
+    """Tensor bytes a llama.cpp decode step reads: all but ``token_embd`` when the GGUF has its own
+    ``output`` head (a tied model reads the table whole as its head)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(gguf)).tensors}
+    total = sum(sizes.values())
+    return total - sizes.get("token_embd.weight", 0) if "output.weight" in sizes else total

@@ -7,12 +7,12 @@ memory paradox). Weight and KV bytes are counted from the tensors themselves.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import resource
 import statistics
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
+from qbench.bench.isolate import CaseCrashed, run_isolated
 from qbench.errors import QBenchError
 from qbench.kernels.build import machine
 from qbench.quant.qlinear import IMPLS
@@ -86,7 +86,7 @@ def run_case(case: dict) -> dict:
     """Runs in a fresh process. Returns the raw measurements of one backend at one batch size."""
     import torch
 
-    from qbench.bench.peers import hf_cache_bytes, run_hf_generate, run_llama_cpp
+    from qbench.bench.peers import hf_cache_bytes, hf_decode_bytes, run_hf_generate, run_llama_cpp
     from qbench.bench.workload import bench_prompts
     from qbench.engine.api import load_tokenizer
     from qbench.models.base import unique_storage_bytes
@@ -112,6 +112,8 @@ def run_case(case: dict) -> dict:
             hf = load_hf_model(folder, dtype)
             runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
             res["weight_bytes"] = unique_storage_bytes(hf.state_dict().values())
+            res["decode_weight_bytes"] = hf_decode_bytes(hf)
+            res["decode_kv_bytes_per_token"] = _fp_kv_bytes(folder, torch.empty(0, dtype=dtype).element_size())
         else:
             from qbench.layers.kvquant import kv_memory
             from qbench.quant.artifact import artifact_kv_scheme, is_artifact, load_artifact
@@ -131,6 +133,8 @@ def run_case(case: dict) -> dict:
             else:
                 runner = NoCacheEngine(model)
             res["weight_bytes"] = model.weight_bytes()
+            if backend == "qbench":  # the no-cache engine recomputes the prompt every step: no such ceiling
+                res["decode_weight_bytes"] = model.decode_weight_bytes()
             # bits per weight over every tensor held, per source parameter (the headline size)
             params = params or res["weight_bytes"] // torch.empty(0, dtype=dtype).element_size()
             res["bits_per_weight"] = 8 * res["weight_bytes"] / params
@@ -148,6 +152,9 @@ def run_case(case: dict) -> dict:
             res["kv_bytes_reserved"] = runner.pool.nbytes
             res["kv_bytes_used"] = sum(len(s) - 1 for s in seqs) * runner.pool.bytes_per_token
             res["kv_bytes_per_token"] = runner.pool.bytes_per_token
+            # the quantized cache's full-precision residual window is read too: spread over the context
+            res["decode_kv_bytes_per_token"] = res["kv"]["bytes_per_token"]
+            res["decode_kv_bytes_per_sequence"] = res["kv"]["residual_bytes_per_sequence"]
         elif backend == "hf":
             res["kv_bytes_reserved"] = res["kv_bytes_used"] = hf_cache_bytes(runner.last_cache)
         else:
@@ -157,6 +164,8 @@ def run_case(case: dict) -> dict:
 
         hf = load_hf_model(folder, dtype)
         res["weight_bytes"] = unique_storage_bytes(hf.state_dict().values())
+        res["decode_weight_bytes"] = hf_decode_bytes(hf)
+        res["decode_kv_bytes_per_token"] = _fp_kv_bytes(folder, torch.empty(0, dtype=dtype).element_size())
         pad = tok.pad_token_id or 0
         run_hf_generate(hf, prompts, 4, pad)
         raw = run_hf_generate(hf, prompts, G, pad)
@@ -167,12 +176,19 @@ def run_case(case: dict) -> dict:
         run_llama_cpp(gguf, prompts[0], 4, torch.get_num_threads())
         raw = run_llama_cpp(gguf, prompts[0], G, torch.get_num_threads())
         res["weight_bytes"] = raw.pop("weight_bytes")
+        res["decode_weight_bytes"] = raw.pop("decode_weight_bytes")
+        res["decode_kv_bytes_per_token"] = _fp_kv_bytes(folder, 2)  # llama.cpp's default cache is f16
         res["tokens"] = [raw.pop("tokens")]
     else:
         raise ValueError(backend)
     res.update(summarize(raw, B * P))
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
+
+
+def _fp_kv_bytes(folder, element_size: int) -> int:
+    from qbench.models.config import ModelConfig
+    return ModelConfig.from_folder(folder).kv_bytes_per_token * element_size
 
 
 def plan(cfg: BenchConfig) -> tuple[list[dict], list[str]]:
@@ -223,9 +239,16 @@ def _variant_name(spec: str) -> str:
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
+    from qbench.bench.roofline import attach, read_bandwidth
+
     cases, skipped = plan(cfg)
     for s in skipped:
         log(f"skipping {s}")
+    # in a process of its own, before the cases: a 2 GiB buffer here would be inherited by every case's
+    # peak RSS (Linux keeps the high-water mark across fork and exec)
+    bandwidth = run_isolated(read_bandwidth, {})
+    log(f"read bandwidth: {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth['method']} over "
+        f"{bandwidth['buffer_bytes'] / 2**30:.1f} GiB)")
     results = []
     for i, case in enumerate(cases, 1):
         log(f"[{i}/{len(cases)}] {case['label']} batch {case['batch']} ...")
@@ -238,46 +261,16 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             skipped.append(f"{case['label']} batch {case['batch']}: {e}")
             log(f"skipping {skipped[-1]}")
     _agreement(results)
+    for r in results:
+        attach(r, bandwidth["bytes_per_s"], cfg.prompt_len, cfg.gen_len)
     return {
         "config": asdict(cfg),
-        "machine": machine(),
+        "machine": dict(machine(), read_bandwidth=bandwidth),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "skipped": skipped,
         "results": results,
         "ratios": ratios(results),
     }
-
-
-class CaseCrashed(RuntimeError):
-    pass
-
-
-def run_isolated(fn, case: dict) -> dict:
-    """fn(case) in a fresh spawned process; its exception is raised here. A process that dies (a peer's
-    native code segfaulting, say) raises CaseCrashed instead of hanging, as multiprocessing.Pool.apply would."""
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(fn, case, send))
-    proc.start()
-    send.close()  # only the child holds the write end now, so its death ends recv() with EOFError
-    try:
-        ok, value = recv.recv()
-    except EOFError:
-        proc.join()
-        code = proc.exitcode
-        raise CaseCrashed("the process running it died (" + (f"signal {-code}" if code and code < 0 else
-                                                              f"exit code {code}") + ")") from None
-    proc.join()
-    if not ok:
-        raise value
-    return value
-
-
-def _child(fn, case, conn) -> None:
-    try:
-        conn.send((True, fn(case)))
-    except BaseException as e:  # noqa: BLE001 - handed to the parent, which raises it
-        conn.send((False, e))
 
 
 def _agreement(results: list[dict]) -> None:

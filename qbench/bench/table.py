@@ -22,18 +22,25 @@ def render_table(report: dict) -> str:
     if m.get("cpu_flags") is not None:
         head += f"\ncpu: {m['cpu']} ({' '.join(m['cpu_flags'])})"
     cols = ["backend", "batch", "prefill tok/s", "decode tok/s", "step p50 ms", "step ms by quarter",
-            "weights MiB", "bits/weight", "KV B/token", "KV MiB used/reserved", "peak RSS MiB", "greedy=hf"]
+            "weights MiB", "bits/weight", "KV B/token", "KV MiB used/reserved", "read/step MiB", "roofline",
+            "peak RSS MiB", "greedy=hf"]
     rows = []
     for r in report["results"]:
         quarters = "/".join(f"{x:.0f}" for x in r["step_ms_by_quarter"])
         kv = f"{_mb(r.get('kv_bytes_used'))}/{_mb(r.get('kv_bytes_reserved'))}"
         match = r.get("greedy_match_vs_hf")
+        roof = r.get("roofline")
         rows.append([r["label"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}",
                      f"{r['step_ms']['p50']:.1f}", quarters, _mb(r.get("weight_bytes")),
                      "-" if r.get("bits_per_weight") is None else f"{r['bits_per_weight']:.2f}", _per_token(r), kv,
+                     _mb(roof and roof["bytes_per_step"]), "-" if roof is None else f"{roof['fraction']:.0%}",
                      _mb(r.get("peak_rss_bytes")), "-" if match is None else f"{match:.0%}"])
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    bw = m.get("read_bandwidth")
+    if bw is not None:
+        head += (f"\nread bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s ({bw['method']} over "
+                 f"{bw['buffer_bytes'] / 2**30:.1f} GiB); roofline = batch x bandwidth / bytes read per decode step")
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if report["ratios"]:
         out.append("")

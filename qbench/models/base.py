@@ -68,6 +68,16 @@ class CausalLM(torch.nn.Module):
         """Bytes held by weight tensors, counting a shared (tied) tensor once."""
         return unique_storage_bytes([*self.parameters(), *self.buffers()])
 
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: all but an embedding table of its own, of which a step reads
+        only one row per sequence. A table tied to the head is read whole, by the head."""
+        emb = getattr(self, self.embed_attr, None)
+        if emb is None:
+            return self.weight_bytes()
+        prefix = self.embed_attr + "."
+        rest = [t for n, t in [*self.named_parameters(), *self.named_buffers()] if not n.startswith(prefix)]
+        return unique_storage_bytes(rest)
+
 
 def unique_storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``: a tied lm_head shares the embedding's."""
