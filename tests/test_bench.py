@@ -127,3 +127,17 @@ def test_a_case_whose_process_dies_is_reported_not_waited_on_forever():
     m = machine()
     assert m["threads"] >= 1 and isinstance(m["cpu_flags"], list)
     assert cpu_supports() == ({"avx2", "fma", "f16c"} <= set(m["cpu_flags"]))
+
+
+def test_llama_cpps_read_per_step_comes_from_its_gguf(smollm2, qwen):
+    from gguf import GGUFReader
+
+    from qbench.bench.peers import gguf_decode_bytes
+    from qbench.models.zoo import gguf_path
+    for folder, tied in ((smollm2, True), (qwen, False)):
+        g = gguf_path(folder)
+        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(str(g)).tensors}
+        assert ("output.weight" not in sizes) == tied
+        # tied: the table is the head, read whole; untied (Qwen, a Q8_0 head): the table is not read
+        assert gguf_decode_bytes(g) == sum(sizes.values()) - (0 if tied else sizes["token_embd.weight"])
+        assert gguf_decode_bytes(g) < g.stat().st_size
