@@ -8,35 +8,45 @@ machine it uses, whatever the format (a 4-bit model reads fewer bytes, so its ce
 
 from __future__ import annotations
 
-import os
 import time
+from pathlib import Path
 
 GiB = 2 ** 30
 
 
 def last_level_cache_bytes() -> int | None:
-    for key in ("SC_LEVEL4_CACHE_SIZE", "SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
+    """The largest CPU cache, from sysfs (Python's sysconf does not know the cache names on Linux)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
         try:
-            n = os.sysconf(key)
-        except (ValueError, OSError):
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+        except (ValueError, IndexError):
             continue
-        if n and n > 0:
-            return int(n)
+    return max(sizes) if sizes else None
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return None
 
 
 def read_bandwidth(_case: dict | None = None, repeats: int = 5) -> dict:
     """This machine's streaming read bandwidth on torch's threads: the best of ``repeats`` sums over a
-    float32 buffer of at least 2 GiB and 8x the last-level cache, so no repeat is served from cache."""
+    float32 buffer of at least 2 GiB and 8x the last-level cache, so no repeat is served from cache (at
+    most a quarter of the available memory; ``capped`` says when that limit cut it)."""
     import torch
 
     llc = last_level_cache_bytes()
-    nbytes = max(2 * GiB, 8 * (llc or 0))
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        nbytes = min(nbytes, max(avail // 4, 256 * 2 ** 20))
-    except (ValueError, OSError):
-        pass
+    want = max(2 * GiB, 8 * (llc or 0))
+    avail = available_memory_bytes()
+    nbytes = want if avail is None else min(want, max(avail // 4, 256 * 2 ** 20))
     buf = torch.ones(nbytes // 4, dtype=torch.float32)  # written once, so every page is resident
     best = float("inf")
     for _ in range(repeats):
@@ -45,7 +55,7 @@ def read_bandwidth(_case: dict | None = None, repeats: int = 5) -> dict:
         best = min(best, time.perf_counter() - t0)
     del buf
     return {"bytes_per_s": nbytes / best, "buffer_bytes": nbytes, "last_level_cache_bytes": llc,
-            "threads": torch.get_num_threads(), "method": f"best of {repeats} float32 sums"}
+            "capped": nbytes < want, "threads": torch.get_num_threads(), "method": f"best of {repeats} float32 sums"}
 
 
 def step_bytes(weight_bytes: int, kv_bytes_per_token: float, batch: int, prompt_len: int, gen_len: int,
