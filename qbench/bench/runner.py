@@ -86,10 +86,9 @@ def run_case(case: dict) -> dict:
     """Runs in a fresh process. Returns the raw measurements of one backend at one batch size."""
     import torch
 
-    from qbench.bench.peers import hf_cache_bytes, hf_decode_bytes, run_hf_generate, run_llama_cpp
+    from qbench.bench.peers import hf_cache_bytes, run_hf_generate, run_llama_cpp
     from qbench.bench.workload import bench_prompts
     from qbench.engine.api import load_tokenizer
-    from qbench.models.base import unique_storage_bytes
     from qbench.models.registry import DTYPES, load_model
     from qbench.models.zoo import gguf_path, resolve_model
 
@@ -101,6 +100,7 @@ def run_case(case: dict) -> dict:
     B, P, G, backend = case["batch"], case["prompt_len"], case["gen_len"], case["backend"]
     prompts = bench_prompts(tok, B, P)
     dtype = DTYPES[case["dtype"]]
+    esize = dtype.itemsize
     res: dict = {"backend": backend, "label": case["label"], "batch": B}
     if backend in ("qbench", "nocache", "hf"):
         from qbench.engine.engine import Engine
@@ -111,9 +111,7 @@ def run_case(case: dict) -> dict:
         if backend == "hf":
             hf = load_hf_model(folder, dtype)
             runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
-            res["weight_bytes"] = unique_storage_bytes(hf.state_dict().values())
-            res["decode_weight_bytes"] = hf_decode_bytes(hf)
-            res["decode_kv_bytes_per_token"] = _fp_kv_bytes(folder, torch.empty(0, dtype=dtype).element_size())
+            res.update(_hf_sizes(hf, folder, esize))
         else:
             from qbench.layers.kvquant import kv_memory
             from qbench.quant.artifact import artifact_kv_scheme, is_artifact, load_artifact
@@ -136,11 +134,10 @@ def run_case(case: dict) -> dict:
             if backend == "qbench":  # the no-cache engine recomputes the prompt every step: no such ceiling
                 res["decode_weight_bytes"] = model.decode_weight_bytes()
             # bits per weight over every tensor held, per source parameter (the headline size)
-            params = params or res["weight_bytes"] // torch.empty(0, dtype=dtype).element_size()
+            params = params or res["weight_bytes"] // esize
             res["bits_per_weight"] = 8 * res["weight_bytes"] / params
             cfg = model.config
-            res["kv"] = kv_memory(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                  torch.empty(0, dtype=dtype).element_size())
+            res["kv"] = kv_memory(scheme, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, esize)
         warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
         runner.generate(prompts, warm)
         runner.stats.__init__()
@@ -152,7 +149,7 @@ def run_case(case: dict) -> dict:
             res["kv_bytes_reserved"] = runner.pool.nbytes
             res["kv_bytes_used"] = sum(len(s) - 1 for s in seqs) * runner.pool.bytes_per_token
             res["kv_bytes_per_token"] = runner.pool.bytes_per_token
-            # the quantized cache's full-precision residual window is read too: spread over the context
+            # a quantized cache also reads its full-precision residual window, a fixed size per sequence
             res["decode_kv_bytes_per_token"] = res["kv"]["bytes_per_token"]
             res["decode_kv_bytes_per_sequence"] = res["kv"]["residual_bytes_per_sequence"]
         elif backend == "hf":
@@ -163,9 +160,7 @@ def run_case(case: dict) -> dict:
         from qbench.engine.hf_backend import load_hf_model
 
         hf = load_hf_model(folder, dtype)
-        res["weight_bytes"] = unique_storage_bytes(hf.state_dict().values())
-        res["decode_weight_bytes"] = hf_decode_bytes(hf)
-        res["decode_kv_bytes_per_token"] = _fp_kv_bytes(folder, torch.empty(0, dtype=dtype).element_size())
+        res.update(_hf_sizes(hf, folder, esize))
         pad = tok.pad_token_id or 0
         run_hf_generate(hf, prompts, 4, pad)
         raw = run_hf_generate(hf, prompts, G, pad)
@@ -184,6 +179,14 @@ def run_case(case: dict) -> dict:
     res.update(summarize(raw, B * P))
     res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return res
+
+
+def _hf_sizes(hf, folder, element_size: int) -> dict:
+    """A transformers model's held weight bytes, and what one decode step reads of weights and fp KV."""
+    from qbench.bench.peers import hf_decode_bytes
+    from qbench.models.base import unique_storage_bytes
+    return {"weight_bytes": unique_storage_bytes(hf.state_dict().values()), "decode_weight_bytes": hf_decode_bytes(hf),
+            "decode_kv_bytes_per_token": _fp_kv_bytes(folder, element_size)}
 
 
 def _fp_kv_bytes(folder, element_size: int) -> int:
@@ -244,8 +247,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     cases, skipped = plan(cfg)
     for s in skipped:
         log(f"skipping {s}")
-    # in a process of its own, before the cases: a 2 GiB buffer here would be inherited by every case's
-    # peak RSS (Linux keeps the high-water mark across fork and exec)
+    # in a process of its own, before the cases: its multi-GiB buffer here would be inherited by every
+    # case's peak RSS (Linux keeps the high-water mark across fork and exec)
     bandwidth = run_isolated(read_bandwidth, {})
     log(f"read bandwidth: {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth['method']} over "
         f"{bandwidth['buffer_bytes'] / 2**30:.1f} GiB)")
