@@ -111,6 +111,7 @@ _DEQUANTS = ("qb_dequant_i8", "qb_dequant_i4")
 INT_VNNI, INT_AVX2 = "native int8/int4 GEMM, AVX-512 VNNI", "native int8/int4 GEMM, AVX2"
 DEQUANT = "native int8/int4 dequantize for prefill-sized rows (then oneDNN)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
+KV_ATTN = "native attention over quantized, FP8, fp16 and bf16 KV blocks"
 TORCH = "torch path (kernels off, aten, aten-bf16 or reference)"
 _PATH_CALLS: dict[str, int] = {}
 _PATH_TESTS: dict[str, set] = {}
@@ -125,6 +126,8 @@ def _path_of(name: str, dll) -> str:
     """The path a counted call takes; the integer GEMMs' ISA is read at call time (tests switch it)."""
     if name in _INT_GEMMS:
         return INT_VNNI if dll.qb_isa() == 512 else INT_AVX2
+    if name == "qb_attention_kv":
+        return KV_ATTN
     return DEQUANT if name in _DEQUANTS else FP32
 
 
@@ -175,7 +178,7 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, FP32, DEQUANT] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
+    want = [INT_AVX2, FP32, DEQUANT, KV_ATTN] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 

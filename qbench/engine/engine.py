@@ -46,6 +46,8 @@ class Engine:
                  policy: str = "continuous", token_budget: int = 4096):
         if block_size < 1 or max_batch < 1:
             raise QBenchError(f"engine: block_size ({block_size}) and max_batch ({max_batch}) must be >= 1")
+        # the full-precision pool's dtype: the model's, or fp16 / bf16 where the scheme says so
+        self.kv_dtype = model.dtype if kv_scheme is None or kv_scheme.storage_dtype is None else kv_scheme.storage_dtype
         if kv_scheme is not None and not kv_scheme.quantized:
             kv_scheme = None  # K16V16 is the full-precision cache itself
         if kv_scheme is not None:
@@ -86,7 +88,7 @@ class Engine:
                 raise QBenchError("engine: give a KV capacity in tokens or a byte budget, not both")
             cfg = model.config
             blocks = blocks_in_budget(kv_budget_bytes, cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                      model.dtype, kv_scheme, max_batch)
+                                      self.kv_dtype, kv_scheme, max_batch)
             if blocks < 1:
                 raise QBenchError(f"engine: a KV budget of {kv_budget_bytes} bytes holds no block; raise it")
             kv_capacity_tokens = blocks * block_size
@@ -104,7 +106,7 @@ class Engine:
             num_blocks = max(num_blocks + self.cache.cached_blocks, 2 * old.num_blocks)
         if self.kv_scheme is None:
             self.pool = KVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                               self.model.dtype)
+                               self.kv_dtype)
         else:
             self.pool = QuantKVPool(cfg.num_layers, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
                                     self.model.dtype, self.kv_scheme, self.max_batch)

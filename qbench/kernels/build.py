@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "dequant.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "dequant.c", "attn_kv.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -65,7 +65,7 @@ def load() -> ctypes.CDLL | None:
     if shutil.which(cc) is None:
         return None
     here = Path(__file__).parent
-    src = b"".join((here / s).read_bytes() for s in (*SOURCES, "panel.h"))
+    src = b"".join((here / s).read_bytes() for s in (*SOURCES, "panel.h", "vecmath.h"))
     key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib = qbench_home() / "kernels" / f"qbench_kernels_{key}.so"
     if not lib.is_file():
@@ -88,6 +88,9 @@ def load() -> ctypes.CDLL | None:
         "qb_silu_mul": [P, P, L, L, I],
         "qb_rope": [P, P, P, P, L, L, L, L, I],
         "qb_paged_attention": [P] * 7 + [L] * 8 + [F, I],
+        # q, out; B, T, nh, nkv, hd, bs, nblk; tables, qpos, qvalid, ctx, slots; W; rk, rv; window; scale;
+        # K: mode, bits, codes, scale, min; V: mode, bits, group, codes, scale, min; threads
+        "qb_attention_kv": [P, P] + [L] * 7 + [P] * 5 + [L, P, P, L, F, I, I, P, P, P, I, I, L, P, P, P, I],
         "qb_gemm_i8": [P] * 4 + [L] * 3 + [I],
         "qb_gemm_i4": [P] * 5 + [L] * 4 + [I],
         "qb_dequant_i8": [P] * 3 + [L] * 2 + [I],

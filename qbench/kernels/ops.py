@@ -99,3 +99,61 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                               0 if v8 is None else v8.data_ptr(), out.data_ptr(), B, T, nh, nkv, hd, bs,
                               tables.shape[1], window or 0, scale, torch.get_num_threads())
     return out
+
+
+# qb_attention_kv's row formats
+KV_F32, KV_CHANNEL, KV_TOKEN, KV_FP8, KV_F16, KV_BF16 = range(6)
+_FP_MODES = {torch.float32: KV_F32, torch.float16: KV_F16, torch.bfloat16: KV_BF16}
+
+
+def kv_source(mode: int, bits: int = 16, codes: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+              minimum: torch.Tensor | None = None, v_group: int = 0) -> tuple:
+    """How qb_attention_kv reads K or V: a row format and its pool tensors (codes, fp16 scale and min)."""
+    return mode, bits, v_group, codes, scale, minimum
+
+
+def fp_mode(dtype: torch.dtype) -> int | None:
+    return _FP_MODES.get(dtype)
+
+
+def kv_kernel_fits(head_dim: int, group: int, sources: tuple = ()) -> bool:
+    """Shapes qb_attention_kv takes: head_dim a multiple of one unpacked chunk (8 codes of 8 bits, 16 of 4,
+    32 of 2), at most 256, at most 64 query heads per KV head; V groups made of whole chunks."""
+    if head_dim > 256 or head_dim % 8 or group > 64:
+        return False
+    for mode, bits, v_group, *_ in sources:
+        chunk = 8 * (8 // bits) if mode in (KV_CHANNEL, KV_TOKEN) else 8
+        if head_dim % chunk or (mode == KV_TOKEN and (v_group % chunk or head_dim % v_group)):
+            return False
+    return True
+
+
+def attention_kv(q: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None,
+                 context_lens: torch.Tensor, k_src: tuple, v_src: tuple, ring_k: torch.Tensor | None = None,
+                 ring_v: torch.Tensor | None = None, slots: torch.Tensor | None = None, window: int | None = None,
+                 scale: float = 1.0) -> torch.Tensor:
+    """q (B, T, nh, hd) against a pool of any row format (``kv_source``), with a quantized cache's fp32
+    residual rings (seqs, W, bs, nkv, hd) -> (B, T, nh * hd). Without rings every block is read from the pool."""
+    B, T, nh, hd = q.shape
+    codes = k_src[3]
+    bs, nkv = codes.shape[1], codes.shape[2]
+    q = q.contiguous()
+    out = torch.empty(B, T, nh * hd, dtype=torch.float32)
+    tables = block_tables.contiguous()
+    pos = positions.contiguous()
+    ctx = context_lens.to(torch.int64).contiguous()
+    v8 = None if valid is None else valid.to(torch.uint8).contiguous()
+    W = 0 if ring_k is None else ring_k.shape[1]
+    sl = None if slots is None else slots.to(torch.int64).contiguous()
+
+    def ptr(t):
+        return 0 if t is None else t.data_ptr()
+
+    for _, _, _, *ts in (k_src, v_src):
+        assert all(t is None or t.is_contiguous() for t in ts)
+    load().qb_attention_kv(q.data_ptr(), out.data_ptr(), B, T, nh, nkv, hd, bs, tables.shape[1], tables.data_ptr(),
+                           pos.data_ptr(), ptr(v8), ctx.data_ptr(), ptr(sl), W, ptr(ring_k), ptr(ring_v), window or 0,
+                           scale, k_src[0], k_src[1], ptr(k_src[3]), ptr(k_src[4]), ptr(k_src[5]),
+                           v_src[0], v_src[1], v_src[2], ptr(v_src[3]), ptr(v_src[4]), ptr(v_src[5]),
+                           torch.get_num_threads())
+    return out

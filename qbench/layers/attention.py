@@ -12,9 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
-from qbench.kernels.ops import paged_attention
+from qbench.kernels.ops import attention_kv, paged_attention
 from qbench.layers import prefill_attention as prefill
 from qbench.layers.kv import BlockKV
+
+
+MAX_GROUP = 64  # query heads per KV head that qb_attention_kv takes
 
 
 @dataclass
@@ -29,6 +32,7 @@ class AttnMetadata:
     block_size: int = 0
     kv_slots: torch.Tensor | None = None  # (B,) each sequence's residual slot in a quantized cache
     new_tokens: torch.Tensor | None = None  # (B,) real tokens each sequence writes in this step
+    kv_plan: tuple | None = None  # a quantized cache's write plan for this step, shared by the layers
 
     @property
     def uses_cache(self) -> bool:
@@ -82,20 +86,28 @@ def attend(
         kf, vf = k.reshape(B * T, nkv, hd), v.reshape(B * T, nkv, hd)
         if meta.valid_index is not None:
             kf, vf = kf.index_select(0, meta.valid_index), vf.index_select(0, meta.valid_index)
-        if not getattr(cache, "native", True):  # a quantized pool: dequantized through its own read
+        if not getattr(cache, "native", True):  # a quantized pool
             cache.write_meta(meta, kf, vf)
-            keys, values = (t.to(q.dtype) for t in cache.read_meta(meta))  # (B, nkv, L, hd)
+            if T == 1 and q.dtype == torch.float32 and cache.decode_kernel and g <= MAX_GROUP:
+                return cache.attend_decode(q, meta, window, scale)  # the blocks read in place
+            keys, values = (t.to(q.dtype) for t in cache.read_meta(meta))  # (B, nkv, L, hd), dequantized
         else:
             cache.write(meta.slot_mapping, kf, vf)
             if mask is None and prefill.applies(T, meta.context_lens, window):
                 return prefill.prefill_attention(q, k, v, meta.positions, meta.new_tokens, meta.block_tables,
                                                  cache.k, cache.v, scale)
-            if mask is None:
+            if mask is None and cache.k.dtype == torch.float32:
                 return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.positions, meta.query_valid,
                                        window, scale)
-            keys, values = cache.read(meta.block_tables)  # (B, nkv, L, hd)
+            if mask is None and g <= MAX_GROUP:  # an fp16 or bf16 pool
+                k_src, v_src = cache.sources()
+                return attention_kv(q, meta.block_tables, meta.positions, meta.query_valid, meta.context_lens,
+                                    k_src, v_src, window=window, scale=scale)
+            keys, values = (t.to(q.dtype) for t in cache.read(meta.block_tables))  # (B, nkv, L, hd)
     else:
         keys, values = k.transpose(1, 2), v.transpose(1, 2)  # (B, nkv, T, hd)
+    if mask is None:  # a pool read without a mask on decode, now read whole (a prefill, or a group too wide)
+        mask = build_mask(meta, g, window)
     # queries of one KV group side by side: (B, nkv, T * g, hd)
     qg = q.view(B, T, nkv, g, hd).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, hd)
     out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)

@@ -10,11 +10,25 @@ from __future__ import annotations
 
 import torch
 
+from qbench.kernels import build as kernels
+from qbench.kernels import ops
+
 
 class BlockKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k = k  # (num_blocks, bs, nkv, hd)
         self.v = v
+
+    @property
+    def native(self) -> bool:
+        """An fp32 pool is read by the paged kernel, an fp16/bf16 one by qb_attention_kv: no mask needed."""
+        return self.k.dtype == torch.float32 or (kernels.available() and ops.fp_mode(self.k.dtype) is not None
+                                                 and ops.kv_kernel_fits(self.k.shape[3], 1))
+
+    def sources(self) -> tuple[tuple, tuple]:
+        """K and V as qb_attention_kv reads them (an fp16 or bf16 pool)."""
+        mode = ops.fp_mode(self.k.dtype)
+        return ops.kv_source(mode, codes=self.k), ops.kv_source(mode, codes=self.v)
 
     @property
     def block_size(self) -> int:
@@ -23,8 +37,8 @@ class BlockKV:
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots (N,), k/v (N, nkv, hd): copy into the pool in place."""
         nkv, hd = self.k.shape[2], self.k.shape[3]
-        self.k.view(-1, nkv, hd).index_copy_(0, slots, k)
-        self.v.view(-1, nkv, hd).index_copy_(0, slots, v)
+        self.k.view(-1, nkv, hd).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v.view(-1, nkv, hd).index_copy_(0, slots, v.to(self.v.dtype))
 
     def read(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables (B, nblk) -> k, v (B, nkv, nblk * bs, hd)."""
@@ -42,13 +56,46 @@ class QuantBlockKV:
     after that.
     """
 
-    native = False  # attention reads it through ``read_meta``, not the native kernel
+    native = False  # the fp32 paged kernel cannot read it: prefill reads it through ``read_meta``
 
     def __init__(self, store: dict, scheme):
         self.s = store  # this layer's tensors: kc, ks, km, vc, vs, vm (codes, scale, min), rk, rv (residual)
         self.scheme = scheme
         self.kcodec, self.vcodec = scheme.codecs()
         self.windows = scheme.windows
+        src = self.sources()
+        self._sources = src  # the store's tensors are fixed for the pool's life
+        self._fits = (src is not None and store["rk"].dtype == torch.float32
+                      and ops.kv_kernel_fits(store["rk"].shape[4], 1, src))
+
+    @property
+    def decode_kernel(self) -> bool:
+        """Decode (one query per row) reads the blocks in place through qb_attention_kv, where it takes the
+        layout."""
+        return self._fits and kernels.available()
+
+    def sources(self) -> tuple[tuple, tuple] | None:
+        """K and V as qb_attention_kv reads them; None for the layouts it does not take (the naive baselines:
+        per-tensor, and per-token K)."""
+        out = []
+        for prefix, codec, ok in (("k", self.kcodec, ("none", "channel", "fp8")),
+                                  ("v", self.vcodec, ("none", "token", "fp8"))):
+            if codec.mode not in ok:
+                return None
+            codes = self.s[prefix + "c"]
+            if codec.mode == "none":
+                out.append(ops.kv_source(ops.fp_mode(codes.dtype), codes=codes))
+                continue
+            mode = {"channel": ops.KV_CHANNEL, "token": ops.KV_TOKEN, "fp8": ops.KV_FP8}[codec.mode]
+            out.append(ops.kv_source(mode, codec.bits, codes, self.s[prefix + "s"], self.s.get(prefix + "m"),
+                                     codec.group))
+        return out[0], out[1]
+
+    def attend_decode(self, q: torch.Tensor, meta, window: int | None, scale: float) -> torch.Tensor:
+        """q (B, 1, nh, hd) over this step's cache (written first) -> (B, 1, nh * hd), no dequantized copy."""
+        k_src, v_src = self._sources
+        return ops.attention_kv(q, meta.block_tables, meta.positions, meta.query_valid, meta.context_lens, k_src,
+                                v_src, self.s["rk"], self.s["rv"], meta.kv_slots, window, scale)
 
     @property
     def block_size(self) -> int:
@@ -68,6 +115,9 @@ class QuantBlockKV:
 
     def write_meta(self, meta, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (N, nkv, hd): the real new tokens of this step, sequence by sequence in position order."""
+        plan = self._decode_plan(meta)
+        if plan is not None:
+            return self._write_decode(plan, k, v)
         bs, W = self.block_size, self.windows
         rk, rv = self.s["rk"], self.s["rv"]  # (seqs, W, bs, nkv, hd)
         ctx, slots, counts = meta.context_lens.tolist(), meta.kv_slots.tolist(), meta.new_tokens.tolist()
@@ -92,6 +142,51 @@ class QuantBlockKV:
                 p1 = min(after, (j + 1) * bs)
                 rk[r, j % W, off: off + p1 - p0] = kb[p0 - before: p1 - before]
                 rv[r, j % W, off: off + p1 - p0] = vb[p0 - before: p1 - before]
+
+    def _decode_plan(self, meta) -> tuple | None:
+        """Where a decode step's tokens go, the same for every layer (computed once, kept on ``meta``): ring
+        rows (flat) and the blocks that leave the window (ring slot -> pool block). None: a step that writes
+        more than one token to some row (a prefill), which takes the general path."""
+        plan = meta.kv_plan
+        if plan is not None and plan[0] == (self.block_size, self.windows):
+            return plan[1]
+        bs, W = self.block_size, self.windows
+        counts = meta.new_tokens
+        if counts is None or not bool((counts <= 1).all()):
+            meta.kv_plan = ((bs, W), None)
+            return None
+        real = counts.nonzero().flatten()  # rows that write a token; k/v hold theirs in row order
+        pos = meta.context_lens[real] - 1  # (N,) the new token's position
+        slot = meta.kv_slots[real]
+        ring_rows = (slot * W + (pos // bs) % W) * bs + pos % bs
+        after = meta.context_lens[real]
+        q_after = (after // bs - (W - 1)).clamp(min=0)
+        q_before = ((after - 1) // bs - (W - 1)).clamp(min=0)
+        leave = (q_after > q_before).nonzero().flatten()  # at most one block per row on a one-token step
+        j = q_after[leave] - 1
+        leaving = (slot[leave] * W + j % W, meta.block_tables[real[leave], j]) if leave.numel() else None
+        meta.kv_plan = ((bs, W), (ring_rows, leaving))
+        return meta.kv_plan[1]
+
+    def _write_decode(self, plan: tuple, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token per row at most: every token goes into its ring first; a block that leaves the window is
+        then whole in its ring slot (a one-token step never writes the slot it frees) and is quantized from
+        there, all rows' leaving blocks in one call per codec."""
+        ring_rows, leaving = plan
+        bs, nkv, hd = self.s["rk"].shape[2:]
+        for name, x in (("rk", k), ("rv", v)):
+            self.s[name].view(-1, nkv, hd).index_copy_(0, ring_rows, x.to(self.s[name].dtype))
+        if leaving is None:
+            return
+        ring_slot, blocks = leaving
+        for prefix, codec, name in (("k", self.kcodec, "rk"), ("v", self.vcodec, "rv")):
+            full = self.s[name].view(-1, bs, nkv, hd)[ring_slot]  # (n, bs, nkv, hd)
+            q = codec.quantize(full)
+            self.s[prefix + "c"][blocks] = q.codes
+            if q.scale is not None:
+                self.s[prefix + "s"][blocks] = q.scale
+            if q.minimum is not None:
+                self.s[prefix + "m"][blocks] = q.minimum
 
     def read_meta(self, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual ring."""

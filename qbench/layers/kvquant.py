@@ -20,7 +20,8 @@ import torch
 
 BITS = (8, 4, 2)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-SCHEMES = ("kivi", "fp8", "per-tensor", "per-token-k")
+SCHEMES = ("kivi", "fp8", "per-tensor", "per-token-k", "fp16", "bf16")
+FP_SCHEMES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # full precision, stored narrower than fp32
 
 
 @dataclass
@@ -65,9 +66,9 @@ def _minmax_quant(x: torch.Tensor, bits: int, reduce_dims: tuple[int, ...]) -> Q
 
 
 def quantize_k_per_channel(k: torch.Tensor, bits: int) -> QKV:
-    """One full group of keys (G, nkv, hd) -> statistics over the G tokens, per (head, channel)."""
-    q = _minmax_quant(k, bits, (0,))
-    q.scale, q.minimum = q.scale[0], q.minimum[0]  # (nkv, hd)
+    """Full groups of keys (..., G, nkv, hd) -> statistics over the G tokens, per (head, channel)."""
+    q = _minmax_quant(k, bits, (-3,))
+    q.scale, q.minimum = q.scale.squeeze(-3), q.minimum.squeeze(-3)  # (..., nkv, hd)
     return q
 
 
@@ -77,12 +78,12 @@ def dequantize_k_per_channel(q: QKV) -> torch.Tensor:
 
 
 def quantize_v_per_token(v: torch.Tensor, bits: int, group: int) -> QKV:
-    """Values (T, nkv, hd) -> statistics per token over groups of ``group`` channels."""
-    T, nkv, hd = v.shape
+    """Values (..., T, nkv, hd) -> statistics per token over groups of ``group`` channels."""
+    hd = v.shape[-1]
     if hd % group:
         raise ValueError(f"V group {group} does not divide head_dim {hd}")
-    q = _minmax_quant(v.view(T, nkv, hd // group, group), bits, (3,))
-    return QKV(q.codes.view(T, nkv, -1), q.scale[..., 0], q.minimum[..., 0], bits, (T, nkv, hd))
+    q = _minmax_quant(v.reshape(*v.shape[:-1], hd // group, group), bits, (-1,))
+    return QKV(q.codes.reshape(*v.shape[:-1], -1), q.scale[..., 0], q.minimum[..., 0], bits, tuple(v.shape))
 
 
 def dequantize_v_per_token(q: QKV) -> torch.Tensor:
@@ -94,10 +95,10 @@ def dequantize_v_per_token(q: QKV) -> torch.Tensor:
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> QKV:
-    """(T, nkv, hd) -> e4m3 codes with one scale per token (absmax / 448), stored as raw bytes."""
-    scale = (x.float().abs().amax(dim=(1, 2), keepdim=True) / FP8_MAX).clamp(min=1e-12).half()
+    """(..., T, nkv, hd) -> e4m3 codes with one scale per token (absmax / 448), stored as raw bytes."""
+    scale = (x.float().abs().amax(dim=(-2, -1), keepdim=True) / FP8_MAX).clamp(min=1e-12).half()
     f8 = (x.float() / scale.float()).to(torch.float8_e4m3fn)
-    return QKV(f8.view(torch.uint8), scale[:, 0, 0], None, 8, tuple(x.shape))
+    return QKV(f8.view(torch.uint8), scale[..., 0, 0], None, 8, tuple(x.shape))
 
 
 def dequantize_fp8_per_token(q: QKV) -> torch.Tensor:
@@ -106,9 +107,9 @@ def dequantize_fp8_per_token(q: QKV) -> torch.Tensor:
 
 
 def quantize_per_tensor(x: torch.Tensor, bits: int) -> QKV:
-    """Naive baseline: one min/max for the whole tensor; scale and min have shape (1,)."""
-    q = _minmax_quant(x, bits, tuple(range(x.dim())))
-    q.scale, q.minimum = q.scale.reshape(1), q.minimum.reshape(1)
+    """Naive baseline: one min/max per (G, nkv, hd) block of x (..., G, nkv, hd); scale and min (..., 1)."""
+    q = _minmax_quant(x, bits, (-3, -2, -1))
+    q.scale, q.minimum = q.scale.reshape(*x.shape[:-3], 1), q.minimum.reshape(*x.shape[:-3], 1)
     return q
 
 
@@ -143,7 +144,7 @@ class Codec:
         return self.mode in ("channel", "token", "tensor")
 
     def quantize(self, x: torch.Tensor) -> QKV:
-        """x (G, nkv, hd) -> codes and statistics in the shapes above."""
+        """x (..., G, nkv, hd) -> codes and statistics in the shapes above, with the same leading dims."""
         if self.mode == "channel":
             return quantize_k_per_channel(x, self.bits)
         if self.mode == "token":
@@ -175,18 +176,23 @@ class Codec:
 
 @dataclass(frozen=True)
 class KVScheme:
-    """A quantized KV cache: bit widths of K and V (16 keeps one in full precision), the K group of G
-    tokens (the engine's block size), channels per V group, the full-precision residual window R (a
-    multiple of G) and the scheme: kivi, fp8, or the naive baselines per-tensor and per-token-k."""
+    """A KV cache: bit widths of K and V (16 keeps one in full precision), the K group of G tokens (the
+    engine's block size), channels per V group, the full-precision residual window R (a multiple of G) and
+    the scheme: kivi, fp8, the naive baselines per-tensor and per-token-k, or fp16 / bf16, an unquantized
+    cache stored in 16 bits (llama.cpp's and vLLM's default, the fair baseline for the quantized ones).
+    The bits default to 8, and to 16 for fp16 and bf16."""
 
-    k_bits: int = 8
-    v_bits: int = 8
+    k_bits: int | None = None
+    v_bits: int | None = None
     group: int = 16
     v_group: int = 32
     residual: int = 16
     scheme: str = "kivi"
 
     def __post_init__(self):
+        for name in ("k_bits", "v_bits"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, 16 if self.scheme in FP_SCHEMES else 8)
         for name in ("k_bits", "v_bits"):
             v = getattr(self, name)
             if v not in BITS + (16,):
@@ -195,6 +201,9 @@ class KVScheme:
             raise ValueError(f"kv.scheme: {self.scheme!r} is not one of {', '.join(SCHEMES)}")
         if self.scheme == "fp8" and (self.k_bits, self.v_bits) != (8, 8):
             raise ValueError("kv.scheme: fp8 stores 8 bits for K and V; set k_bits and v_bits to 8")
+        if self.scheme in FP_SCHEMES and (self.k_bits, self.v_bits) != (16, 16):
+            raise ValueError(f"kv.scheme: {self.scheme} stores K and V unquantized; drop k_bits and v_bits, or use "
+                             f"kivi for a quantized cache")
         for name in ("group", "v_group", "residual"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -205,6 +214,11 @@ class KVScheme:
     @property
     def quantized(self) -> bool:
         return (self.k_bits, self.v_bits) != (16, 16)
+
+    @property
+    def storage_dtype(self) -> torch.dtype | None:
+        """The dtype of an unquantized cache (fp16, bf16); None: the model's own."""
+        return FP_SCHEMES.get(self.scheme)
 
     @property
     def windows(self) -> int:
@@ -230,16 +244,20 @@ class KVScheme:
     def bytes_per_token(self, num_layers: int, nkv: int, hd: int, fp_bytes: int = 4) -> float:
         """Bytes per cached token in steady state, all layers; the residual window is a fixed per-sequence
         overhead (``residual_bytes``) on top."""
+        if self.storage_dtype is not None:
+            return 2 * num_layers * nkv * hd * 2
         k, v = self.codecs()
         G = self.group
         return num_layers * (k.block_bytes(G, nkv, hd, fp_bytes) + v.block_bytes(G, nkv, hd, fp_bytes)) / G
 
     def residual_bytes(self, num_layers: int, nkv: int, hd: int, fp_bytes: int = 4) -> int:
+        if not self.quantized:
+            return 0  # no residual ring
         return num_layers * 2 * self.residual * nkv * hd * fp_bytes
 
     def describe(self) -> str:
         if not self.quantized:
-            return "fp"
+            return self.scheme if self.scheme in FP_SCHEMES else "fp"
         name = {"kivi": "", "fp8": "fp8 ", "per-tensor": "per-tensor ", "per-token-k": "per-token-K "}[self.scheme]
         return f"{name}K{self.k_bits}V{self.v_bits} G{self.group} R{self.residual}"
 
@@ -252,6 +270,8 @@ def kv_memory(scheme: KVScheme | None, num_layers: int, nkv: int, hd: int, fp_by
     """Exact KV bytes per token of ``scheme`` (None: the full-precision cache) against fp16 and fp32 caches."""
     fp16 = 2 * num_layers * nkv * hd * 2
     fp32 = 2 * fp16
+    if scheme is not None and scheme.storage_dtype is not None:
+        fp_bytes = 2
     if scheme is None or not scheme.quantized:
         per, resid = 2 * num_layers * nkv * hd * fp_bytes, 0
     else:

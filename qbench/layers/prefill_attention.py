@@ -52,8 +52,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         if P:
             nblk = -(-P // bs)
             blocks = block_tables[b, :nblk]
-            pk, pv = (pool[blocks].reshape(nblk * bs, nkv, hd)[:P].transpose(0, 1).unsqueeze(0).contiguous()
-                      for pool in (pool_k, pool_v))  # (1, nkv, P, hd)
+            pk, pv = (pool[blocks].reshape(nblk * bs, nkv, hd)[:P].transpose(0, 1).unsqueeze(0).to(q.dtype)
+                      .contiguous() for pool in (pool_k, pool_v))  # (1, nkv, P, hd), an fp16/bf16 pool widened
             o2, lse2 = _FLASH(_grouped(q[b, :n], nkv, g), pk, pv, 0.0, False, scale=scale)
             o2, lse2 = _ungrouped(o2, n, g), _ungrouped(lse2.unsqueeze(-1), n, g).squeeze(-1)
             m = torch.maximum(lse, lse2)

@@ -52,7 +52,10 @@ class CausalLM(torch.nn.Module):
             x = self.tp.all_reduce((self.embed(local.clamp(0, cfg.vocab_size - 1), meta.positions)
                                     * inside[..., None]).contiguous())
         mask = None
-        if caches is None or not uses_kernel(meta, x.dtype) or not getattr(caches[0], "native", True):
+        c0 = None if caches is None else caches[0]
+        # a quantized pool is read in place on decode (one token per row), dequantized whole otherwise
+        in_place = getattr(c0, "native", True) or (input_ids.shape[1] == 1 and getattr(c0, "decode_kernel", False))
+        if caches is None or not uses_kernel(meta, x.dtype) or not in_place:
             mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
         for i, block in enumerate(self.blocks):
             x = block(x, mask, meta, None if caches is None else caches[i])

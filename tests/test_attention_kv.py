@@ -1,0 +1,223 @@
+"""qb_attention_kv: decode attention that reads quantized, FP8, fp16 and bf16 KV blocks in place, held against
+the slow path (dequantize the whole cache, then torch's SDPA with a dense mask)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qbench.engine.engine import Engine
+from qbench.engine.kv_cache import KVPool, QuantKVPool
+from qbench.engine.sampling import SamplingParams
+from qbench.kernels import build, ops
+from qbench.layers.attention import AttnMetadata, build_mask
+from qbench.layers.kv import QuantBlockKV
+from qbench.layers.kvquant import KVScheme
+from qbench.models.registry import load_model
+
+needs_kernel = pytest.mark.skipif(not build.available(), reason="no native kernels on this machine")
+BS = 16
+
+
+def reference(q, keys, values, meta, window, scale):
+    """q (B, 1, nh, hd); keys/values (B, nkv, L, hd) in full precision -> (B, 1, nh * hd) through SDPA."""
+    B, T, nh, hd = q.shape
+    nkv = keys.shape[1]
+    g = nh // nkv
+    mask = build_mask(meta, g, window)
+    qg = q.view(B, T, nkv, g, hd).permute(0, 2, 1, 3, 4).reshape(B, nkv, T * g, hd)
+    out = F.scaled_dot_product_attention(qg, keys.float(), values.float(), attn_mask=mask, scale=scale)
+    return out.view(B, nkv, T, g, hd).permute(0, 2, 1, 3, 4).reshape(B, T, nh * hd)
+
+
+class Batch:
+    """B sequences in one pool: block tables, residual slots and the metadata of each step."""
+
+    def __init__(self, lens, nblk):
+        self.lens = list(lens)
+        B = len(lens)
+        self.tables = torch.arange(B * nblk, dtype=torch.int64).view(B, nblk).flip(1).contiguous()  # scattered
+        self.slots = torch.arange(B, dtype=torch.int64)
+
+    def meta(self, new):
+        """Metadata once ``new`` tokens per row are written (prefill: the rows' whole lengths)."""
+        ctx = torch.tensor(self.lens, dtype=torch.int64)
+        positions = (ctx - 1)[:, None]  # the last token of each row queries
+        return AttnMetadata(positions=positions, slot_mapping=torch.zeros(1, dtype=torch.int64),
+                            block_tables=self.tables, context_lens=ctx, block_size=BS, kv_slots=self.slots,
+                            new_tokens=torch.tensor(new, dtype=torch.int64))
+
+
+def kv_like(n, nkv, hd, gen):
+    """Keys with per-channel outliers (what KIVI's per-channel K is for) and plain values."""
+    k = torch.randn(n, nkv, hd, generator=gen) * (1 + 4 * torch.rand(nkv, hd, generator=gen))
+    return k, torch.randn(n, nkv, hd, generator=gen)
+
+
+SCHEMES = [KVScheme(8, 8), KVScheme(4, 4), KVScheme(2, 2), KVScheme(4, 2), KVScheme(2, 8),
+           KVScheme(8, 8, scheme="fp8"), KVScheme(16, 4), KVScheme(4, 16), KVScheme(4, 4, residual=48),
+           KVScheme(2, 2, v_group=64), KVScheme(4, 4, residual=32)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("hd, nh, nkv", [(64, 6, 2), (64, 14, 2), (128, 4, 4), (32, 8, 2)])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe())
+def test_quantized_blocks_read_in_place_match_dequantize_then_attend(scheme, hd, nh, nkv):
+    """Rows of 5 to 70 tokens, ten decode steps across block boundaries: every step's output equals the
+    dequantize-everything reference, for every bit width, FP8, a full-precision K or V, longer residual
+    windows and a sliding window."""
+    if hd % scheme.v_group:
+        pytest.skip(f"V groups of {scheme.v_group} channels need a head_dim they divide")
+    pool = QuantKVPool(1, 64, BS, nkv, hd, torch.float32, scheme, max_seqs=4)
+    layer = pool.layers[0]
+    if not layer.decode_kernel:
+        assert not ops.kv_kernel_fits(hd, 1, layer.sources())  # only a layout the kernel does not take skips it
+        pytest.skip(f"{scheme.describe()} at head_dim {hd}: not a layout qb_attention_kv takes")
+    gen = torch.Generator().manual_seed(hd + nh)
+    b = Batch([5, 37, 70, 16], nblk=8)
+    k, v = kv_like(sum(b.lens), nkv, hd, gen)
+    layer.write_meta(b.meta(b.lens), k, v)
+    scale = hd ** -0.5
+    for step in range(10):
+        b.lens = [n + 1 for n in b.lens]
+        meta = b.meta([1] * len(b.lens))
+        k, v = kv_like(len(b.lens), nkv, hd, gen)
+        layer.write_meta(meta, k, v)
+        q = torch.randn(len(b.lens), 1, nh, hd, generator=gen)
+        for window in (None, 24):
+            got = layer.attend_decode(q, meta, window, scale)
+            keys, values = layer.read_meta(meta)
+            want = reference(q, keys, values, meta, window, scale)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step}, window {window}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_fp16_or_bf16_pool_is_read_as_stored(dtype):
+    nkv, hd, nh = 2, 64, 6
+    pool = KVPool(1, 32, BS, nkv, hd, dtype)
+    layer = pool.layers[0]
+    assert layer.native
+    gen = torch.Generator().manual_seed(0)
+    b = Batch([3, 40, 65], nblk=6)
+    for i in range(max(b.lens)):  # write token by token at each row's slots
+        rows = [r for r, n in enumerate(b.lens) if i < n]
+        slots = torch.tensor([int(b.tables[r, i // BS]) * BS + i % BS for r in rows])
+        k, v = kv_like(len(rows), nkv, hd, gen)
+        layer.write(slots, k, v)
+    meta = b.meta([1] * 3)
+    q = torch.randn(3, 1, nh, hd, generator=gen)
+    for window in (None, 16):
+        k_src, v_src = layer.sources()
+        got = ops.attention_kv(q, meta.block_tables, meta.positions, None, meta.context_lens, k_src, v_src,
+                               window=window, scale=0.125)
+        keys, values = layer.read(meta.block_tables)
+        torch.testing.assert_close(got, reference(q, keys, values, meta, window, 0.125), rtol=1e-4, atol=1e-5)
+
+
+@needs_kernel
+def test_a_padded_query_row_gets_zeros_and_leaves_the_others_alone():
+    scheme = KVScheme(4, 4)
+    pool = QuantKVPool(1, 32, BS, 2, 64, torch.float32, scheme, max_seqs=2)
+    layer = pool.layers[0]
+    gen = torch.Generator().manual_seed(1)
+    b = Batch([20, 33], nblk=4)
+    layer.write_meta(b.meta(b.lens), *kv_like(53, 2, 64, gen))
+    meta = b.meta([0, 0])
+    q = torch.randn(2, 1, 4, 64, generator=gen)
+    full = layer.attend_decode(q, meta, None, 0.125)
+    meta.query_valid = torch.tensor([[True], [False]])
+    part = layer.attend_decode(q, meta, None, 0.125)
+    assert torch.equal(part[0], full[0]) and not part[1].any()
+
+
+UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70))]
+
+
+def decode_logits(model, scheme, kernel: bool, monkeypatch):
+    """Every decode step's logits for UNEVEN, teacher-forced on fixed continuations."""
+    monkeypatch.setattr(QuantBlockKV, "decode_kernel", property(lambda self: kernel and type(self).sources(self)
+                                                                 is not None and build.available()))
+    eng = Engine(model, block_size=BS, kv_capacity_tokens=1024, kv_scheme=scheme)
+    seen = []
+    orig = eng.runner.decode
+    eng.runner.decode = lambda seqs: seen.append(orig(seqs)) or seen[-1]
+    eng.generate(UNEVEN, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    return seen
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral-window", "gpt2"])
+@pytest.mark.parametrize("scheme", [KVScheme(4, 4, v_group=16), KVScheme(8, 8, scheme="fp8"),
+                                    KVScheme(16, 8, v_group=16)], ids=lambda s: s.describe())
+def test_the_model_decodes_the_same_with_the_kernel_and_the_dequantized_read(tiny_models, family, scheme, monkeypatch):
+    """Through the engine, at the model's output: decode logits with the kernel equal those of the
+    dequantize-then-SDPA path, as long as both chose the same tokens (random tiny models tie often)."""
+    model = load_model(tiny_models[family][0])
+    slow = decode_logits(model, scheme, False, monkeypatch)
+    fast = decode_logits(model, scheme, True, monkeypatch)
+    assert len(fast) == len(slow) == 23
+    compared = 0
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        compared += 1
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            break  # the paths chose different tokens: later steps see different contexts
+    assert compared >= 8, compared
+
+
+@pytest.mark.parametrize("scheme", [KVScheme(scheme="fp16"), KVScheme(scheme="bf16")], ids=lambda s: s.describe())
+def test_an_fp16_cache_decodes_like_the_fp32_cache_and_batched_equals_sequential(tiny_models, scheme):
+    model = load_model(tiny_models["llama"][0])
+    eng = Engine(model, block_size=BS, kv_scheme=scheme)
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    batched = [s.output_ids for s in eng.generate(UNEVEN, sp)]
+    assert eng.pool.k.dtype == scheme.storage_dtype
+    assert batched == [eng.generate([p], sp)[0].output_ids for p in UNEVEN]
+    fp32 = Engine(model, block_size=BS)
+    want = [s.output_ids for s in fp32.generate(UNEVEN, sp)]
+    agree = sum(a == b for x, y in zip(batched, want) for a, b in zip(x, y)) / sum(map(len, want))
+    assert agree >= 0.9, agree
+
+
+def test_the_fp16_scheme_says_what_it_stores():
+    s = KVScheme(scheme="fp16")
+    assert (s.k_bits, s.v_bits, s.quantized, s.describe()) == (16, 16, False, "fp16")
+    assert s.bytes_per_token(30, 3, 64) == 23040  # SmolLM2: what llama.cpp and vLLM store by default
+    assert KVScheme().k_bits == 8  # the quantized schemes keep their default
+    with pytest.raises(ValueError, match="unquantized"):
+        KVScheme(4, 4, scheme="bf16")
+
+
+@pytest.mark.parametrize("scheme", [KVScheme(4, 2), KVScheme(8, 8, scheme="fp8"), KVScheme(4, 4, residual=48),
+                                    KVScheme(4, 4, scheme="per-tensor"), KVScheme(16, 4)], ids=lambda s: s.describe())
+def test_token_by_token_writes_store_what_one_prefill_stores(scheme):
+    """The decode write (every token into its ring, a leaving block quantized from the ring, all rows at once)
+    leaves the pool bit-identical to the prefill write (blocks quantized from the incoming tokens)."""
+    nkv, hd = 2, 64
+    gen = torch.Generator().manual_seed(3)
+    lens = [37, 70, 5]
+    ks, vs = zip(*(kv_like(n, nkv, hd, gen) for n in lens))
+    pools = []
+    for whole in (True, False):
+        pool = QuantKVPool(1, 32, BS, nkv, hd, torch.float32, scheme, max_seqs=3)
+        layer = pool.layers[0]
+        b = Batch(lens, nblk=6)
+        if whole:
+            layer.write_meta(b.meta(lens), torch.cat(ks), torch.cat(vs))
+        else:
+            for i in range(max(lens)):
+                rows = [r for r, n in enumerate(lens) if i < n]
+                b.lens = [min(i + 1, n) for n in lens]
+                layer.write_meta(b.meta([int(i < n) for n in lens]), torch.cat([ks[r][i:i + 1] for r in rows]),
+                                 torch.cat([vs[r][i:i + 1] for r in rows]))
+        pools.append(pool)
+    for name, t in pools[0].store.items():
+        if name not in ("rk", "rv"):
+            assert torch.equal(t, pools[1].store[name]), name
+    layer = pools[0].layers[0]
+    for r, n in enumerate(lens):  # the rings agree on every live token (a freed slot keeps stale rows, never read)
+        for j in range(layer.quantized_blocks(n), -(-n // BS)):
+            live = min(BS, n - j * BS)
+            for name in ("rk", "rv"):
+                a, b = (p.store[name][0, r, j % layer.windows, :live] for p in pools)
+                assert torch.equal(a, b), (name, r, j)
