@@ -27,7 +27,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int MT, const fl
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (long k = 0; k < K; k++) {
-        if ((k & 3) == 0) PREFETCH(w + k * PANEL);
+        if ((k & 3) == 0) PREFETCH_Q(w + k * PANEL);
         __m128i b = _mm_loadu_si128((const __m128i *)(w + k * PANEL));
         __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
         __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) void tile_i8_small(const int MT, co
     long k = 0;
     for (; k + 2 <= K; k += 2) {
         __m256 wa0, wa1, wb0, wb1;
-        if ((k & 3) == 0) PREFETCH(w + k * PANEL);
+        if ((k & 3) == 0) PREFETCH_Q(w + k * PANEL);
         unpack16_i8(w + k * PANEL, &wa0, &wa1);
         unpack16_i8(w + (k + 1) * PANEL, &wb0, &wb1);
         ROW8U(0) ROW8U(1)
@@ -95,7 +95,7 @@ static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, 
         for (int u = 0; u < U8; u++) acc[i][u] = _mm512_setzero_ps();
     long k = 0;
     for (; k + U8 <= K; k += U8) {
-        if ((k & 3) == 0) PREFETCH(w + k * PANEL);
+        if ((k & 3) == 0) PREFETCH_Q(w + k * PANEL);
         #pragma GCC unroll 4
         for (int u = 0; u < U8; u++) {
             __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (k + u) * PANEL))));
@@ -163,10 +163,9 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
  * so the AVX-512 path below can always take two pairs at a time.
  */
 static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadu_si128((const __m128i *)w);
-    *lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, mask));
-    *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));  /* one widening, both nibbles */
+    *lo = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));
+    *hi = _mm256_srli_epi16(b, 4);
 }
 
 #define ROWQ(i) if (MT > i) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K4 + k));  \
@@ -198,7 +197,7 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
         long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
         for (long k = gi * G; k < k1; k += 2) {
             __m256i wlo, whi;
-            if ((k & 7) == 0) PREFETCH(w + k * (PANEL / 2));  /* one 64-byte line per 4 k-pairs */
+            if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));  /* one 64-byte line per 4 k-pairs */
             unpack_pair(w + k * (PANEL / 2), &wlo, &whi);
             ROWQ(0) ROWQ(1) ROWQ(2) ROWQ(3) ROWQ(4) ROWQ(5)
         }
@@ -235,16 +234,16 @@ static inline AVX512 __attribute__((always_inline)) void tile_i4z(const int MT, 
                                                                 const uint8_t *zp, long K4, long G, long ngroups,
                                                                 float *y, long N, long nvalid) {
     float acc[6 * PANEL] = {0};
-    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m512i mask16 = _mm512_set1_epi16(0x0F);
     for (long gi = 0; gi < ngroups; gi++) {
         __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
                 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
         long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
         for (long k = gi * G; k < k1; k += 4) {
-            if ((k & 7) == 0) PREFETCH(w + k * (PANEL / 2));
+            if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));
             __m256i b = _mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2)));
-            __m512i wlo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, mask));
-            __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+            __m512i b16 = _mm512_cvtepu8_epi16(b);  /* one widening serves both nibbles */
+            __m512i wlo = _mm512_and_si512(b16, mask16), whi = _mm512_srli_epi16(b16, 4);
             ROWZ(0) ROWZ(1) ROWZ(2) ROWZ(3) ROWZ(4) ROWZ(5)
         }
         __m256 s0, s1;
@@ -270,25 +269,25 @@ static inline AVX512 __attribute__((always_inline)) void tile_i4z_small(const in
                                                                       const uint8_t *zp, long K4, long G,
                                                                       long ngroups, float *y, long N, long nvalid) {
     float acc[6 * PANEL] = {0};
-    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m512i mask16 = _mm512_set1_epi16(0x0F);
     for (long gi = 0; gi < ngroups; gi++) {
         __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00;
         __m512i b00 = a00, b01 = a00, b10 = a00, b11 = a00;
         long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4, k = gi * G;
         for (; k + 8 <= k1; k += 8) {
-            if ((k & 7) == 0) PREFETCH(w + k * (PANEL / 2));
+            if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));
             __m256i b = _mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2)));
             __m256i c = _mm256_loadu_si256((const __m256i *)(w + (k + 4) * (PANEL / 2)));
-            __m512i wlo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, mask));
-            __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
-            __m512i vlo = _mm512_cvtepu8_epi16(_mm256_and_si256(c, mask));
-            __m512i vhi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(c, 4), mask));
+            __m512i b16 = _mm512_cvtepu8_epi16(b);  /* one widening serves both nibbles */
+            __m512i wlo = _mm512_and_si512(b16, mask16), whi = _mm512_srli_epi16(b16, 4);
+            __m512i c16 = _mm512_cvtepu8_epi16(c);  /* one widening serves both nibbles */
+            __m512i vlo = _mm512_and_si512(c16, mask16), vhi = _mm512_srli_epi16(c16, 4);
             ROWZ2(0) ROWZ2(1)
         }
         if (k < k1) {  /* a group of 4 mod 8 (K4 is a multiple of 4) */
             __m256i b = _mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2)));
-            __m512i wlo = _mm512_cvtepu8_epi16(_mm256_and_si256(b, mask));
-            __m512i whi = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), mask));
+            __m512i b16 = _mm512_cvtepu8_epi16(b);  /* one widening serves both nibbles */
+            __m512i wlo = _mm512_and_si512(b16, mask16), whi = _mm512_srli_epi16(b16, 4);
             ROWZ(0) ROWZ(1)
         }
         a00 = _mm512_add_epi32(a00, b00); a01 = _mm512_add_epi32(a01, b01);
