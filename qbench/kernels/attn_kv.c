@@ -111,9 +111,59 @@ static inline __attribute__((always_inline)) void score_codes(const int NG, cons
     for (int i = 0; i < NG; i++) out[i] = hsum256(_mm256_add_ps(a[i], b[i]));
 }
 
+/* One V chunk (8 bytes of codes: 8 * PER channels in perm order) of a block's rows, for NG heads: the
+ * accumulators stay in registers across the rows and are added to acc once. w (rows, wstride): each row's
+ * weight p * s for each head. NG * PER <= 8. */
+static inline __attribute__((always_inline)) void vchunk(const int NG, const int PER, const uint8_t *codes,
+                                                         long rstride, long nrow, const float *w, long wstride,
+                                                         float *acc, int bits) {
+    __m256 a[8][4];
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    for (int i = 0; i < NG; i++)
+        for (int t = 0; t < PER; t++) a[i][t] = _mm256_setzero_ps();
+    for (long r = 0; r < nrow; r++) {
+        __m256i u = u8x8(codes + r * rstride);
+        for (int t = 0; t < PER; t++) {
+            __m256 v = field(u, _mm256_set1_epi32(t * bits), mask);
+            for (int i = 0; i < NG; i++) a[i][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * wstride + i), v, a[i][t]);
+        }
+    }
+    for (int i = 0; i < NG; i++)
+        for (int t = 0; t < PER; t++)
+            _mm256_store_ps(acc + i * MAXHD + t * 8, _mm256_add_ps(_mm256_load_ps(acc + i * MAXHD + t * 8), a[i][t]));
+}
+
+#define VCHUNK(NG, ...) vchunk(NG, __VA_ARGS__)
+
+/* score_codes for two rows at once: each q*s load serves both, and the two rows are independent chains. */
+static inline __attribute__((always_inline)) void score_codes2(const int NG, const uint8_t *row0, const uint8_t *row1,
+                                                               const float *qs, long hd, int per, int bits,
+                                                               float *out0, float *out1) {
+    __m256 a[4], b[4];
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    for (int i = 0; i < NG; i++) a[i] = b[i] = _mm256_setzero_ps();
+    const long C = 8 * per;
+    for (long c = 0; c < hd / C; c++) {
+        __m256i u = u8x8(row0 + c * 8), w = u8x8(row1 + c * 8);
+        for (int t = 0; t < per; t++) {
+            __m256i sh = _mm256_set1_epi32(t * bits);
+            __m256 v = field(u, sh, mask), x = field(w, sh, mask);
+            for (int i = 0; i < NG; i++) {
+                __m256 qv = _mm256_load_ps(qs + i * MAXHD + c * C + t * 8);
+                a[i] = _mm256_fmadd_ps(qv, v, a[i]);
+                b[i] = _mm256_fmadd_ps(qv, x, b[i]);
+            }
+        }
+    }
+    for (int i = 0; i < NG; i++) { out0[i] = hsum256(a[i]); out1[i] = hsum256(b[i]); }
+}
+
 #define SWITCH_HEADS(ng, fn, ...) switch (ng) {                                                      \
         case 8: fn(8, __VA_ARGS__); break; case 7: fn(7, __VA_ARGS__); break;                        \
         case 6: fn(6, __VA_ARGS__); break; case 5: fn(5, __VA_ARGS__); break;                        \
+        case 4: fn(4, __VA_ARGS__); break; case 3: fn(3, __VA_ARGS__); break;                        \
+        case 2: fn(2, __VA_ARGS__); break; default: fn(1, __VA_ARGS__); break; }
+#define SWITCH_HEADS4(ng, fn, ...) switch (ng) {                                                     \
         case 4: fn(4, __VA_ARGS__); break; case 3: fn(3, __VA_ARGS__); break;                        \
         case 2: fn(2, __VA_ARGS__); break; default: fn(1, __VA_ARGS__); break; }
 
@@ -146,10 +196,8 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
         float *accp = (float *)aligned_alloc(64, sizeof(float) * g * MAXHD);     /* perm order */
         float *bias = (float *)malloc(sizeof(float) * g * (nvg + 1));
         float *c0 = (float *)malloc(sizeof(float) * g), *sblk = (float *)malloc(sizeof(float) * 2 * MAXHD);
-        float *sc = (float *)malloc(sizeof(float) * g);
-        const __m256i vmask = _mm256_set1_epi32((1 << vbits) - 1);
-        __m256i vshift[4];
-        for (int t = 0; t < 4; t++) vshift[t] = _mm256_set1_epi32(t * vbits);
+        float *sc = (float *)malloc(sizeof(float) * g), *sc2 = (float *)malloc(sizeof(float) * g);
+        float *wbuf = (float *)malloc(sizeof(float) * g * bs);  /* a block's rows x heads: p * s */
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (long bt = 0; bt < B * T; bt++) {
             for (long kh = 0; kh < nkv; kh++) {
@@ -161,7 +209,6 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                 const float *qh = q + (bt * nh + kh * g) * hd;
                 const int64_t *tab = tables + b * nblk;
                 const long slot = slots ? slots[b] : 0;
-                long qs_blk = -1;
                 for (long jb = start / bs; jb * bs < end; jb++) {  /* scores: (g, n), block by block */
                     const long j0 = jb * bs > start ? jb * bs : start, j1 = (jb + 1) * bs < end ? (jb + 1) * bs : end;
                     const long blk = tab[jb];
@@ -196,7 +243,20 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                             c = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * hd + d), _mm256_loadu_ps(sblk + MAXHD + d), c);
                         c0[i] = hsum256(c);
                     }
-                    for (long j = j0; j < j1; j++) {
+                    long j = j0;
+                    for (; j + 2 <= j1; j += 2) {
+                        const uint8_t *row = codes + (j - jb * bs) * nkv * krb;
+                        for (long i0 = 0; i0 < g; i0 += 4) {
+                            long ng = g - i0 < 4 ? g - i0 : 4;
+                            SWITCH_HEADS4(ng, score_codes2, row, row + nkv * krb, qs + i0 * MAXHD, hd, kper, kbits,
+                                          sc + i0, sc2 + i0)
+                        }
+                        for (long i = 0; i < g; i++) {
+                            scores[i * maxlen + j - start] = (sc[i] + c0[i]) * scale;
+                            scores[i * maxlen + j + 1 - start] = (sc2[i] + c0[i]) * scale;
+                        }
+                    }
+                    for (; j < j1; j++) {
                         const uint8_t *row = codes + (j - jb * bs) * nkv * krb;
                         for (long i0 = 0; i0 < g; i0 += 8) {
                             long ng = g - i0 < 8 ? g - i0 : 8;
@@ -229,11 +289,11 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                     const int in_ring = jb >= nq;
                     const float *ring = in_ring ? rv + ((slot * W + jb % W) * bs * nkv + kh) * hd : NULL;
                     const uint8_t *codes = V.codes + (blk * bs * nkv + kh) * vrb;
-                    for (long j = j0; j < j1; j++) {
-                        const long off = j - jb * bs;
-                        const float *p = scores + j - start;  /* p[i * maxlen]: head i's weight of this row */
-                        if (in_ring || V.mode != KV_TOKEN) {
-                            const int mode = in_ring ? KV_F32 : V.mode;
+                    if (in_ring || V.mode != KV_TOKEN) {
+                        const int mode = in_ring ? KV_F32 : V.mode;
+                        for (long j = j0; j < j1; j++) {
+                            const long off = j - jb * bs;
+                            const float *p = scores + j - start;  /* p[i * maxlen]: head i's weight of this row */
                             const void *row = in_ring ? (const void *)(ring + off * nkv * hd) : (const void *)(codes + off * nkv * vrb);
                             float mul = (!in_ring && V.mode == KV_FP8) ? half_to_float(V.scale[blk * bs + off]) : 1.0f;
                             for (long i = 0; i < g; i++) sc[i] = p[i * maxlen] * mul;
@@ -244,26 +304,34 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                                     _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_set1_ps(sc[i]), v, _mm256_load_ps(acc)));
                                 }
                             }
-                            continue;
                         }
-                        const long st = ((blk * bs + off) * nkv + kh) * nvg;
-                        const uint8_t *row = codes + off * nkv * vrb;
-                        for (long gi = 0; gi < nvg; gi++) {  /* the group mins, once per group */
-                            float mg = half_to_float(V.mn[st + gi]);
-                            for (long i = 0; i < g; i++) bias[i * (nvg + 1) + gi] += p[i * maxlen] * mg;
-                        }
-                        for (long c = 0; c < nvc; c++) {
-                            float sg = half_to_float(V.scale[st + vgroup_of[c]]);
-                            for (long i = 0; i < g; i++) sc[i] = p[i * maxlen] * sg;
-                            __m256i u = u8x8(row + c * 8);
-                            for (int t = 0; t < vper; t++) {
-                                __m256 v = field(u, vshift[t], vmask);
-                                for (long i = 0; i < g; i++) {
-                                    float *acc = accp + i * MAXHD + c * vC + t * 8;
-                                    _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_set1_ps(sc[i]), v, _mm256_load_ps(acc)));
-                                }
+                        continue;
+                    }
+                    /* a KIVI block: per group of channels, each row's weight p * s per head, then the group's
+                     * chunks accumulate over the block's rows in registers */
+                    const long nrow = j1 - j0, off0 = j0 - jb * bs;
+                    const long st0 = ((blk * bs + off0) * nkv + kh) * nvg, sstride = nkv * nvg;
+                    const uint8_t *rows = codes + off0 * nkv * vrb;
+                    const int hg = 8 / vper;  /* heads per register pass */
+                    for (long gi = 0; gi < nvg; gi++) {
+                        for (long r = 0; r < nrow; r++) {
+                            const float *p = scores + j0 + r - start;
+                            float sg = half_to_float(V.scale[st0 + r * sstride + gi]), mg = half_to_float(V.mn[st0 + r * sstride + gi]);
+                            for (long i = 0; i < g; i++) {
+                                wbuf[r * g + i] = p[i * maxlen] * sg;
+                                bias[i * (nvg + 1) + gi] += p[i * maxlen] * mg;
                             }
                         }
+                        for (long c = gi * V.vg / vC; c < (gi + 1) * V.vg / vC; c++)
+                            for (long i0 = 0; i0 < g; i0 += hg) {
+                                long ng = g - i0 < hg ? g - i0 : hg;
+                                const uint8_t *cc = rows + c * 8;
+                                float *acc = accp + i0 * MAXHD + c * vC;
+                                if (vper == 4) { if (ng == 2) VCHUNK(2, 4, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits);
+                                                 else VCHUNK(1, 4, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits); }
+                                else if (vper == 2) { SWITCH_HEADS4(ng, VCHUNK, 2, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits) }
+                                else { SWITCH_HEADS(ng, VCHUNK, 1, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits) }
+                            }
                     }
                 }
                 for (long i = 0; i < g; i++) {
@@ -276,6 +344,6 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                 }
             }
         }
-        free(scores); free(qs); free(accn); free(accp); free(bias); free(c0); free(sblk); free(sc);
+        free(scores); free(qs); free(accn); free(accp); free(bias); free(c0); free(sblk); free(sc); free(wbuf); free(sc2);
     }
 }
