@@ -71,6 +71,26 @@ static long row_bytes(const kv_src *s, long hd) {
     }
 }
 
+/* Block jb of a sequence's keys or values: the rows [j0, j1) of the query's span it holds, and where they
+ * lie: in the fp32 residual ring (ring != NULL) or in the pool, as block blk's codes. */
+typedef struct { long j0, j1, blk; const float *ring; const uint8_t *codes; } kv_span;
+
+static inline kv_span span_at(long jb, long start, long end, long bs, const int64_t *tab, long nq, const float *r,
+                              long slot, long W, long nkv, long kh, long hd, const uint8_t *codes, long rb) {
+    kv_span sp;
+    sp.j0 = jb * bs > start ? jb * bs : start;
+    sp.j1 = (jb + 1) * bs < end ? (jb + 1) * bs : end;
+    sp.blk = tab[jb];
+    sp.ring = jb >= nq ? r + ((slot * W + jb % W) * bs * nkv + kh) * hd : NULL;
+    sp.codes = codes + (sp.blk * bs * nkv + kh) * rb;
+    return sp;
+}
+
+/* row off of a span: an fp32 ring row, or a pool row of rb bytes */
+static inline const void *span_row(const kv_span *sp, long off, long nkv, long hd, long rb) {
+    return sp->ring ? (const void *)(sp->ring + off * nkv * hd) : (const void *)(sp->codes + off * nkv * rb);
+}
+
 /* Scores of NG query heads (NG <= 8, a compile-time constant so the accumulators stay in registers) against
  * one key row: natural-order rows (fp32 ring, fp16, bf16, FP8) or KIVI codes against q*s in perm order. */
 static inline __attribute__((always_inline)) void score_row(const int NG, int mode, const void *row,
@@ -210,16 +230,14 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                 const int64_t *tab = tables + b * nblk;
                 const long slot = slots ? slots[b] : 0;
                 for (long jb = start / bs; jb * bs < end; jb++) {  /* scores: (g, n), block by block */
-                    const long j0 = jb * bs > start ? jb * bs : start, j1 = (jb + 1) * bs < end ? (jb + 1) * bs : end;
-                    const long blk = tab[jb];
-                    const int in_ring = jb >= nq;
-                    const float *ring = in_ring ? rk + ((slot * W + jb % W) * bs * nkv + kh) * hd : NULL;
-                    const uint8_t *codes = K.codes + (blk * bs * nkv + kh) * krb;
+                    const kv_span sp = span_at(jb, start, end, bs, tab, nq, rk, slot, W, nkv, kh, hd, K.codes, krb);
+                    const long j0 = sp.j0, j1 = sp.j1, blk = sp.blk;
+                    const int in_ring = sp.ring != NULL;
                     if (in_ring || K.mode != KV_CHANNEL) {
                         const int mode = in_ring ? KV_F32 : K.mode;
                         for (long j = j0; j < j1; j++) {
                             const long off = j - jb * bs;
-                            const void *row = in_ring ? (const void *)(ring + off * nkv * hd) : (const void *)(codes + off * nkv * krb);
+                            const void *row = span_row(&sp, off, nkv, hd, krb);
                             float mul = scale;
                             if (!in_ring && K.mode == KV_FP8) mul *= half_to_float(K.scale[blk * bs + off]);
                             for (long i0 = 0; i0 < g; i0 += 8) {
@@ -245,7 +263,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                     }
                     long j = j0;
                     for (; j + 2 <= j1; j += 2) {
-                        const uint8_t *row = codes + (j - jb * bs) * nkv * krb;
+                        const uint8_t *row = sp.codes + (j - jb * bs) * nkv * krb;
                         for (long i0 = 0; i0 < g; i0 += 4) {
                             long ng = g - i0 < 4 ? g - i0 : 4;
                             SWITCH_HEADS4(ng, score_codes2, row, row + nkv * krb, qs + i0 * MAXHD, hd, kper, kbits,
@@ -257,7 +275,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                         }
                     }
                     for (; j < j1; j++) {
-                        const uint8_t *row = codes + (j - jb * bs) * nkv * krb;
+                        const uint8_t *row = sp.codes + (j - jb * bs) * nkv * krb;
                         for (long i0 = 0; i0 < g; i0 += 8) {
                             long ng = g - i0 < 8 ? g - i0 : 8;
                             SWITCH_HEADS(ng, score_codes, row, qs + i0 * MAXHD, hd, kper, kbits, sc + i0)
@@ -265,36 +283,20 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                         for (long i = 0; i < g; i++) scores[i * maxlen + j - start] = (sc[i] + c0[i]) * scale;
                     }
                 }
-                for (long i = 0; i < g; i++) {  /* softmax over each head's n scores */
-                    float *s = scores + i * maxlen, m = -INFINITY;
-                    for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-                    __m256 vmx = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-                    long j = 0;
-                    for (; j + 8 <= n; j += 8) {
-                        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
-                        _mm256_storeu_ps(s + j, e);
-                        vsum = _mm256_add_ps(vsum, e);
-                    }
-                    float sum = hsum256(vsum);
-                    for (; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
-                    float inv = 1.0f / sum;
-                    for (j = 0; j < n; j++) s[j] *= inv;
-                }
+                for (long i = 0; i < g; i++) softmax_row(scores + i * maxlen, n);
                 memset(accn, 0, sizeof(float) * g * MAXHD);
                 memset(accp, 0, sizeof(float) * g * MAXHD);
                 memset(bias, 0, sizeof(float) * g * (nvg + 1));
                 for (long jb = start / bs; jb * bs < end; jb++) {  /* values, block by block */
-                    const long j0 = jb * bs > start ? jb * bs : start, j1 = (jb + 1) * bs < end ? (jb + 1) * bs : end;
-                    const long blk = tab[jb];
-                    const int in_ring = jb >= nq;
-                    const float *ring = in_ring ? rv + ((slot * W + jb % W) * bs * nkv + kh) * hd : NULL;
-                    const uint8_t *codes = V.codes + (blk * bs * nkv + kh) * vrb;
+                    const kv_span sp = span_at(jb, start, end, bs, tab, nq, rv, slot, W, nkv, kh, hd, V.codes, vrb);
+                    const long j0 = sp.j0, j1 = sp.j1, blk = sp.blk;
+                    const int in_ring = sp.ring != NULL;
                     if (in_ring || V.mode != KV_TOKEN) {
                         const int mode = in_ring ? KV_F32 : V.mode;
                         for (long j = j0; j < j1; j++) {
                             const long off = j - jb * bs;
                             const float *p = scores + j - start;  /* p[i * maxlen]: head i's weight of this row */
-                            const void *row = in_ring ? (const void *)(ring + off * nkv * hd) : (const void *)(codes + off * nkv * vrb);
+                            const void *row = span_row(&sp, off, nkv, hd, vrb);
                             float mul = (!in_ring && V.mode == KV_FP8) ? half_to_float(V.scale[blk * bs + off]) : 1.0f;
                             for (long i = 0; i < g; i++) sc[i] = p[i * maxlen] * mul;
                             for (long d = 0; d < hd; d += 8) {
@@ -311,7 +313,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                      * chunks accumulate over the block's rows in registers */
                     const long nrow = j1 - j0, off0 = j0 - jb * bs;
                     const long st0 = ((blk * bs + off0) * nkv + kh) * nvg, sstride = nkv * nvg;
-                    const uint8_t *rows = codes + off0 * nkv * vrb;
+                    const uint8_t *rows = sp.codes + off0 * nkv * vrb;
                     const int hg = 8 / vper;  /* heads per register pass */
                     for (long gi = 0; gi < nvg; gi++) {
                         for (long r = 0; r < nrow; r++) {

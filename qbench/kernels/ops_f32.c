@@ -100,22 +100,7 @@ void qb_paged_attention(const float *q, const float *kpool, const float *vpool, 
                     const float *kr = kpool + ((tab[j / bs] * bs + j % bs) * nkv + kh) * hd;
                     for (long i = 0; i < g; i++) scores[i * maxlen + (j - start)] = dot(qh + i * hd, kr, hd) * scale;
                 }
-                for (long i = 0; i < g; i++) {
-                    float *s = scores + i * maxlen;
-                    float m = -INFINITY;
-                    for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-                    __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
-                    long j = 0;
-                    for (; j + 8 <= n; j += 8) {
-                        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
-                        _mm256_storeu_ps(s + j, e);
-                        vsum = _mm256_add_ps(vsum, e);
-                    }
-                    float sum = hsum256(vsum);
-                    for (; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
-                    float inv = 1.0f / sum;
-                    for (j = 0; j < n; j++) s[j] *= inv;
-                }
+                for (long i = 0; i < g; i++) softmax_row(scores + i * maxlen, n);
                 for (long i = 0; i < g * hd; i++) acc[i] = 0.0f;
                 for (long j = start; j < end; j++) {
                     const float *vr = vpool + ((tab[j / bs] * bs + j % bs) * nkv + kh) * hd;

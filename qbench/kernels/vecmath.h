@@ -1,6 +1,7 @@
 /* Vector math shared by the attention kernels. */
 #pragma once
 #include <immintrin.h>
+#include <math.h>
 
 /* exp for 8 floats: Cephes-style range reduction and polynomial, |rel err| < 2e-7. */
 static inline __m256 exp256(__m256 x) {
@@ -28,4 +29,21 @@ static inline float hsum256(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     return _mm_cvtss_f32(s);
+}
+
+/* s[0..n) <- softmax(s), in place; max-subtracted, so no score overflows exp */
+static inline void softmax_row(float *s, long n) {
+    float m = -INFINITY;
+    for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+        _mm256_storeu_ps(s + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = hsum256(vsum);
+    for (; j < n; j++) { s[j] = expf(s[j] - m); sum += s[j]; }
+    float inv = 1.0f / sum;
+    for (j = 0; j < n; j++) s[j] *= inv;
 }

@@ -105,7 +105,8 @@ class QuantBlockKV:
         """Blocks of a sequence of n tokens that are stored quantized: all but the residual window."""
         return max(0, n // self.block_size - (self.windows - 1))
 
-    def _store(self, prefix: str, codec, block: int, x: torch.Tensor) -> None:
+    def _store(self, prefix: str, codec, block, x: torch.Tensor) -> None:
+        """Quantize x (G, nkv, hd) into pool block ``block``, or x (n, G, nkv, hd) into a tensor of n blocks."""
         q = codec.quantize(x)
         self.s[prefix + "c"][block] = q.codes
         if q.scale is not None:
@@ -180,13 +181,7 @@ class QuantBlockKV:
             return
         ring_slot, blocks = leaving
         for prefix, codec, name in (("k", self.kcodec, "rk"), ("v", self.vcodec, "rv")):
-            full = self.s[name].view(-1, bs, nkv, hd)[ring_slot]  # (n, bs, nkv, hd)
-            q = codec.quantize(full)
-            self.s[prefix + "c"][blocks] = q.codes
-            if q.scale is not None:
-                self.s[prefix + "s"][blocks] = q.scale
-            if q.minimum is not None:
-                self.s[prefix + "m"][blocks] = q.minimum
+            self._store(prefix, codec, blocks, self.s[name].view(-1, bs, nkv, hd)[ring_slot])  # (n, bs, nkv, hd)
 
     def read_meta(self, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual ring."""
