@@ -166,7 +166,8 @@ def test_the_model_decodes_the_same_with_the_kernel_and_the_dequantized_read(tin
 
 
 @pytest.mark.parametrize("scheme", [KVScheme(scheme="fp16"), KVScheme(scheme="bf16")], ids=lambda s: s.describe())
-def test_an_fp16_cache_decodes_like_the_fp32_cache_and_batched_equals_sequential(tiny_models, scheme):
+def test_an_fp16_cache_decodes_like_the_fp32_cache_and_batched_equals_sequential(tiny_models, scheme, path):
+    """On the kernel path and on torch's (kernels off: the pool is read whole and widened)."""
     model = load_model(tiny_models["llama"][0])
     eng = Engine(model, block_size=BS, kv_scheme=scheme)
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)

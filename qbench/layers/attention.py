@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from qbench.kernels import build as kernels
 from qbench.kernels.ops import attention_kv, paged_attention
 from qbench.layers import prefill_attention as prefill
-from qbench.layers.kv import BlockKV
+from qbench.layers.kv import BlockKV, QuantBlockKV
 
 
 MAX_GROUP = 64  # query heads per KV head that qb_attention_kv takes
@@ -86,7 +86,7 @@ def attend(
         kf, vf = k.reshape(B * T, nkv, hd), v.reshape(B * T, nkv, hd)
         if meta.valid_index is not None:
             kf, vf = kf.index_select(0, meta.valid_index), vf.index_select(0, meta.valid_index)
-        if not getattr(cache, "native", True):  # a quantized pool
+        if isinstance(cache, QuantBlockKV):
             cache.write_meta(meta, kf, vf)
             if T == 1 and q.dtype == torch.float32 and cache.decode_kernel and g <= MAX_GROUP:
                 return cache.attend_decode(q, meta, window, scale)  # the blocks read in place
