@@ -70,7 +70,7 @@ def test_quantized_blocks_read_in_place_match_dequantize_then_attend(scheme, hd,
     pool = QuantKVPool(1, 64, BS, nkv, hd, torch.float32, scheme, max_seqs=4)
     layer = pool.layers[0]
     if not layer.decode_kernel:
-        assert not ops.kv_kernel_fits(hd, 1, layer.sources())  # only a layout the kernel does not take skips it
+        assert not ops.kv_kernel_fits(hd, layer.sources())  # only a layout the kernel does not take skips it
         pytest.skip(f"{scheme.describe()} at head_dim {hd}: not a layout qb_attention_kv takes")
     gen = torch.Generator().manual_seed(hd + nh)
     b = Batch([5, 37, 70, 16], nblk=8)
@@ -135,13 +135,15 @@ UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70
 
 def decode_logits(model, scheme, kernel: bool, monkeypatch):
     """Every decode step's logits for UNEVEN, teacher-forced on fixed continuations."""
-    monkeypatch.setattr(QuantBlockKV, "decode_kernel", property(lambda self: kernel and type(self).sources(self)
-                                                                 is not None and build.available()))
-    eng = Engine(model, block_size=BS, kv_capacity_tokens=1024, kv_scheme=scheme)
-    seen = []
-    orig = eng.runner.decode
-    eng.runner.decode = lambda seqs: seen.append(orig(seqs)) or seen[-1]
-    eng.generate(UNEVEN, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    with monkeypatch.context() as m:
+        if not kernel:  # the dense read; with the kernel, the pool's own choice
+            m.setattr(QuantBlockKV, "decode_kernel", property(lambda self: False))
+        eng = Engine(model, block_size=BS, kv_capacity_tokens=1024, kv_scheme=scheme)
+        assert all(layer.decode_kernel == kernel for layer in eng.pool.layers)
+        seen = []
+        orig = eng.runner.decode
+        eng.runner.decode = lambda seqs: seen.append(orig(seqs)) or seen[-1]
+        eng.generate(UNEVEN, SamplingParams(max_new_tokens=24, ignore_eos=True))
     return seen
 
 

@@ -21,12 +21,11 @@ def hf_decode_bytes(model) -> int:
     """Tensor bytes a transformers decode step reads: all but an input embedding not tied to the head."""
     from qbench.models.base import unique_storage_bytes
 
-    emb = model.get_input_embeddings().weight
+    ptr = model.get_input_embeddings().weight.untyped_storage().data_ptr()
     head = model.get_output_embeddings()
     tensors = list(model.state_dict().values())
-    if head is not None and head.weight.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr():
+    if head is not None and head.weight.untyped_storage().data_ptr() == ptr:
         return unique_storage_bytes(tensors)
-    ptr = emb.untyped_storage().data_ptr()
     return unique_storage_bytes([t for t in tensors if t.untyped_storage().data_ptr() != ptr])
 
 

@@ -58,6 +58,11 @@ def read_bandwidth(_case: dict | None = None, repeats: int = 5) -> dict:
             "capped": nbytes < want, "threads": torch.get_num_threads(), "method": f"best of {repeats} float32 sums"}
 
 
+def describe_bandwidth(bw: dict) -> str:
+    """'23.2 GB/s (best of 5 float32 sums over 3.8 GiB)': what the log and the table say of a measurement."""
+    return f"{bw['bytes_per_s'] / 1e9:.1f} GB/s ({bw['method']} over {bw['buffer_bytes'] / 2**30:.1f} GiB)"
+
+
 def step_bytes(weight_bytes: int, kv_bytes_per_token: float, batch: int, prompt_len: int, gen_len: int,
                kv_bytes_per_sequence: int = 0) -> int:
     """Bytes one decode step reads, averaged over the run: the weights it uses once, plus the KV cache of

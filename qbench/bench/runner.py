@@ -242,7 +242,7 @@ def _variant_name(spec: str) -> str:
 
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
-    from qbench.bench.roofline import attach, read_bandwidth
+    from qbench.bench.roofline import attach, describe_bandwidth, read_bandwidth
 
     cases, skipped = plan(cfg)
     for s in skipped:
@@ -250,8 +250,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     # in a process of its own, before the cases: its multi-GiB buffer here would be inherited by every
     # case's peak RSS (Linux keeps the high-water mark across fork and exec)
     bandwidth = run_isolated(read_bandwidth, {})
-    log(f"read bandwidth: {bandwidth['bytes_per_s'] / 1e9:.1f} GB/s ({bandwidth['method']} over "
-        f"{bandwidth['buffer_bytes'] / 2**30:.1f} GiB)")
+    log(f"read bandwidth: {describe_bandwidth(bandwidth)}")
     results = []
     for i, case in enumerate(cases, 1):
         log(f"[{i}/{len(cases)}] {case['label']} batch {case['batch']} ...")

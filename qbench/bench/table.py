@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from qbench.bench.roofline import describe_bandwidth
+
 
 def _mb(x) -> str:
     return "-" if x is None else f"{x / 2**20:.1f}"
@@ -39,8 +41,7 @@ def render_table(report: dict) -> str:
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     bw = m.get("read_bandwidth")
     if bw is not None:
-        head += (f"\nread bandwidth {bw['bytes_per_s'] / 1e9:.1f} GB/s ({bw['method']} over "
-                 f"{bw['buffer_bytes'] / 2**30:.1f} GiB); roofline = batch x bandwidth / bytes read per decode step")
+        head += f"\nread bandwidth {describe_bandwidth(bw)}; roofline = batch x bandwidth / bytes read per decode step"
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if report["ratios"]:
         out.append("")

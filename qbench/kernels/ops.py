@@ -101,6 +101,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out
 
 
+MAX_GROUP = 64  # query heads per KV head that qb_attention_kv takes
 # qb_attention_kv's row formats
 KV_F32, KV_CHANNEL, KV_TOKEN, KV_FP8, KV_F16, KV_BF16 = range(6)
 _FP_MODES = {torch.float32: KV_F32, torch.float16: KV_F16, torch.bfloat16: KV_BF16}
@@ -108,7 +109,10 @@ _FP_MODES = {torch.float32: KV_F32, torch.float16: KV_F16, torch.bfloat16: KV_BF
 
 def kv_source(mode: int, bits: int = 16, codes: torch.Tensor | None = None, scale: torch.Tensor | None = None,
               minimum: torch.Tensor | None = None, v_group: int = 0) -> tuple:
-    """How qb_attention_kv reads K or V: a row format and its pool tensors (codes, fp16 scale and min)."""
+    """How qb_attention_kv reads K or V: a row format and its pool tensors (codes, fp16 scale and min), which it
+    reads by pointer, so they must be contiguous (a pool's tensors are, for its whole life)."""
+    if not all(t is None or t.is_contiguous() for t in (codes, scale, minimum)):
+        raise ValueError("kv_source: the pool tensors must be contiguous")
     return mode, bits, v_group, codes, scale, minimum
 
 
@@ -116,10 +120,10 @@ def fp_mode(dtype: torch.dtype) -> int | None:
     return _FP_MODES.get(dtype)
 
 
-def kv_kernel_fits(head_dim: int, group: int, sources: tuple = ()) -> bool:
-    """Shapes qb_attention_kv takes: head_dim a multiple of one unpacked chunk (8 codes of 8 bits, 16 of 4,
-    32 of 2), at most 256, at most 64 query heads per KV head; V groups made of whole chunks."""
-    if head_dim > 256 or head_dim % 8 or group > 64:
+def kv_kernel_fits(head_dim: int, sources: tuple = ()) -> bool:
+    """Layouts qb_attention_kv takes: head_dim a multiple of one unpacked chunk (8 codes of 8 bits, 16 of 4,
+    32 of 2) and at most 256; V groups made of whole chunks. (The query heads per KV head: ``MAX_GROUP``.)"""
+    if head_dim > 256 or head_dim % 8:
         return False
     for mode, bits, v_group, *_ in sources:
         chunk = 8 * (8 // bits) if mode in (KV_CHANNEL, KV_TOKEN) else 8
@@ -149,8 +153,6 @@ def attention_kv(q: torch.Tensor, block_tables: torch.Tensor, positions: torch.T
     def ptr(t):
         return 0 if t is None else t.data_ptr()
 
-    for _, _, _, *ts in (k_src, v_src):
-        assert all(t is None or t.is_contiguous() for t in ts)
     load().qb_attention_kv(q.data_ptr(), out.data_ptr(), B, T, nh, nkv, hd, bs, tables.shape[1], tables.data_ptr(),
                            pos.data_ptr(), ptr(v8), ctx.data_ptr(), ptr(sl), W, ptr(ring_k), ptr(ring_v), window or 0,
                            scale, k_src[0], k_src[1], ptr(k_src[3]), ptr(k_src[4]), ptr(k_src[5]),

@@ -12,12 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
-from qbench.kernels.ops import attention_kv, paged_attention
+from qbench.kernels.ops import MAX_GROUP, attention_kv, paged_attention
 from qbench.layers import prefill_attention as prefill
 from qbench.layers.kv import BlockKV, QuantBlockKV
-
-
-MAX_GROUP = 64  # query heads per KV head that qb_attention_kv takes
 
 
 @dataclass

@@ -23,7 +23,7 @@ class BlockKV:
     def native(self) -> bool:
         """An fp32 pool is read by the paged kernel, an fp16/bf16 one by qb_attention_kv: no mask needed."""
         return self.k.dtype == torch.float32 or (kernels.available() and ops.fp_mode(self.k.dtype) is not None
-                                                 and ops.kv_kernel_fits(self.k.shape[3], 1))
+                                                 and ops.kv_kernel_fits(self.k.shape[3]))
 
     def sources(self) -> tuple[tuple, tuple]:
         """K and V as qb_attention_kv reads them (an fp16 or bf16 pool)."""
@@ -66,7 +66,7 @@ class QuantBlockKV:
         src = self.sources()
         self._sources = src  # the store's tensors are fixed for the pool's life
         self._fits = (src is not None and store["rk"].dtype == torch.float32
-                      and ops.kv_kernel_fits(store["rk"].shape[4], 1, src))
+                      and ops.kv_kernel_fits(store["rk"].shape[4], src))
 
     @property
     def decode_kernel(self) -> bool:
