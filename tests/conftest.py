@@ -112,6 +112,7 @@ INT_VNNI, INT_AVX2 = "native int8/int4 GEMM, AVX-512 VNNI", "native int8/int4 GE
 DEQUANT = "native int8/int4 dequantize for prefill-sized rows (then oneDNN)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
 KV_ATTN = "native attention over quantized, FP8, fp16 and bf16 KV blocks"
+FUSED = "native one-call decode step (every layer of a step in qb_decode_layers)"
 TORCH = "torch path (kernels off, aten, aten-bf16 or reference)"
 _PATH_CALLS: dict[str, int] = {}
 _PATH_TESTS: dict[str, set] = {}
@@ -119,7 +120,7 @@ _current_test = [""]
 
 
 def _counted(name: str) -> bool:
-    return name.startswith("qb_") and name not in ("qb_isa", "qb_set_isa")
+    return name.startswith("qb_") and name not in ("qb_isa", "qb_set_isa", "qb_decode_scratch")
 
 
 def _path_of(name: str, dll) -> str:
@@ -128,6 +129,8 @@ def _path_of(name: str, dll) -> str:
         return INT_VNNI if dll.qb_isa() == 512 else INT_AVX2
     if name == "qb_attention_kv":
         return KV_ATTN
+    if name == "qb_decode_layers":
+        return FUSED
     return DEQUANT if name in _DEQUANTS else FP32
 
 
@@ -178,7 +181,7 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, FP32, DEQUANT, KV_ATTN] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
+    want = [INT_AVX2, FP32, DEQUANT, KV_ATTN, FUSED] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 

@@ -54,3 +54,24 @@ def batched_equals_sequential_and_transformers(ours, hf, tok, new_tokens: int, w
     assert batched == sequential
     ref = [s.output_ids for s in HFBackend(hf, window, set(), pad_id=tok.pad_token_id).generate(ids, sp)]
     assert batched == ref
+
+
+def one_call_step_equals_layer_by_layer(model, tok, monkeypatch, kv=None, new_tokens: int = 8) -> None:
+    """Every decode step's logits on the one-call path (kernels/layer.c) equal the layer-by-layer path's bit for
+    bit, on the real model's shapes, batched over prompts of uneven lengths."""
+    from qbench.engine import runner as runner_mod
+
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    logits = {}
+    real = runner_mod.ModelRunner.decode
+    for fused in ("0", "1"):
+        monkeypatch.setenv("QBENCH_FUSED", fused)
+        seen = logits.setdefault(fused, [])
+        monkeypatch.setattr(runner_mod.ModelRunner, "decode",
+                            lambda self, seqs, seen=seen: seen.append((real(self, seqs), self._fused)) or seen[-1][0])
+        Engine(model, kv_scheme=kv).generate(ids, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    monkeypatch.setattr(runner_mod.ModelRunner, "decode", real)
+    assert len(logits["0"]) == len(logits["1"]) == new_tokens - 1
+    assert all(f is None for _, f in logits["0"]) and all(f is not None for _, f in logits["1"])
+    for (a, _), (b, _) in zip(logits["0"], logits["1"]):
+        assert torch.equal(a, b)

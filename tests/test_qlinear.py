@@ -115,3 +115,38 @@ def test_the_int8_kernel_on_both_isas_matches_the_reference(M, N, K):
             assert (lin(x).double() - ref).abs().max() <= tol, isa
     finally:
         lib.qb_set_isa(512)
+
+
+def _isas():
+    if not build.available():
+        return []
+    return [256, 512] if build.load().qb_isa() == 512 else [256]
+
+
+@pytest.mark.skipif(not build.available(), reason="native kernels not built here (no C compiler, or no AVX2/FMA/F16C)")
+@pytest.mark.parametrize("scheme", ["fp32", "int8", "g64-asym", "g128-sym"])
+@pytest.mark.parametrize("N,K", [(48, 576), (200, 1536), (40, 97), (131, 130), (16, 64)])
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(scheme, N, K):
+    """Batched decode equals sequential decode bit for bit only if every kernel sums a row the same way
+    whatever the number of rows (1 and 2 rows take their own latency-hiding tiles) on every instruction set."""
+    from qbench.layers.linear import DENSE_ROWS, Linear
+
+    g = torch.Generator().manual_seed(N * K + len(scheme))
+    w = torch.randn(N, K, generator=g)
+    if scheme == "fp32":
+        lin = Linear(w, torch.randn(N, generator=g))
+    elif scheme == "int8":
+        lin = make_qlinear(quantize_int8(w), None, "native")
+    else:
+        lin = make_qlinear(quantize_int4(w, int(scheme[1:].split("-")[0]), scheme.endswith("-sym")), None, "native")
+    x = torch.randn(DENSE_ROWS - 1, K, generator=g)
+    lib = build.load()
+    try:
+        for isa in _isas():
+            lib.qb_set_isa(isa)
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
+            for M in (2, 3, 4, 5, 7, 8, 13):
+                assert torch.equal(lin(x[:M]), alone[:M]), (isa, M)
+            assert torch.equal(lin(x)[:13], alone), (isa, DENSE_ROWS - 1)
+    finally:
+        lib.qb_set_isa(_isas()[-1])

@@ -4,9 +4,10 @@ transformers, and the whole model quantized. Runs in CI too."""
 import pytest
 
 from conftest import QWEN
+from qbench.kernels import build
 from qbench.engine.sampling import SamplingParams
 from real_model_checks import (batched_equals_sequential_and_transformers, cached_decode_matches, load_pair,
-                               logits_match)
+                               logits_match, one_call_step_equals_layer_by_layer)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,15 @@ def test_cached_decode_logits_match_transformers(models):
 
 def test_batched_equals_sequential_and_equals_transformers(models):
     batched_equals_sequential_and_transformers(*models, new_tokens=16, window=32768)
+
+
+@pytest.mark.skipif(not build.available(), reason="native kernels not built here")
+def test_the_one_call_decode_step_equals_the_layer_by_layer_step(models, monkeypatch):
+    from qbench.layers.kvquant import KVScheme
+
+    ours, _, tok = models
+    one_call_step_equals_layer_by_layer(ours, tok, monkeypatch)
+    one_call_step_equals_layer_by_layer(ours, tok, monkeypatch, kv=KVScheme(scheme="fp16"))
 
 
 def test_the_whole_model_quantized_fits_the_size_target(qwen, tmp_path):

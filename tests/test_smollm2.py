@@ -5,10 +5,11 @@ import time
 import pytest
 
 from conftest import SMOL
+from qbench.kernels import build
 from qbench.engine.api import Generator
 from qbench.engine.sampling import SamplingParams
 from real_model_checks import (batched_equals_sequential_and_transformers, cached_decode_matches, load_pair,
-                               logits_match)
+                               logits_match, one_call_step_equals_layer_by_layer)
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,20 @@ def test_cached_decode_logits_match_transformers(models):
 
 def test_batched_equals_sequential_and_equals_transformers(models):
     batched_equals_sequential_and_transformers(*models, new_tokens=24, window=8192)
+
+
+@pytest.mark.skipif(not build.available(), reason="native kernels not built here")
+def test_the_one_call_decode_step_equals_the_layer_by_layer_step(models, smollm2, monkeypatch):
+    from qbench.layers.kvquant import KVScheme
+    from qbench.models.registry import load_model
+    from qbench.quant.apply import quantize_model
+    from qbench.quant.recipe import load_recipe
+
+    ours, _, tok = models
+    one_call_step_equals_layer_by_layer(ours, tok, monkeypatch)
+    q = load_model(smollm2)
+    quantize_model(q, load_recipe("w4g64-head"), None, log=lambda *a: None)
+    one_call_step_equals_layer_by_layer(q, tok, monkeypatch, kv=KVScheme(4, 4), new_tokens=20)
 
 
 def test_generate_chat_stops_at_eos_and_at_stop_strings():

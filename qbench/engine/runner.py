@@ -37,6 +37,8 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.block_size = pool.block_size
+        self._fused = None  # the one-call decode step over this pool, made at the first decode
+        self._fused_made = False
 
     def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
@@ -113,7 +115,10 @@ class ModelRunner:
             new_tokens=torch.ones(len(seqs), dtype=torch.int64),
         )
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.int64)
-        logits = self.model(ids, meta, self.pool.layers, logits_index=torch.zeros(len(seqs), dtype=torch.int64))
+        if not self._fused_made:
+            self._fused, self._fused_made = self.model.fused_decoder(self.pool.layers), True
+        logits = self.model(ids, meta, self.pool.layers, logits_index=torch.zeros(len(seqs), dtype=torch.int64),
+                            fused=self._fused)
         for s in seqs:
             s.num_cached = len(s)
         return logits

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "dequant.c", "attn_kv.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "dequant.c", "attn_kv.c", "layer.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -96,11 +96,14 @@ def load() -> ctypes.CDLL | None:
         "qb_dequant_i8": [P] * 3 + [L] * 2 + [I],
         "qb_dequant_i4": [P] * 4 + [L] * 3 + [I],
         "qb_set_isa": [I],
+        # layers (qb_layer *), n, step (qb_step *), x, scratch, stages, threads
+        "qb_decode_layers": [P, L, P, P, P, I, I],
     }
     for name, args in signatures.items():
         fn = getattr(dll, name)
         fn.restype, fn.argtypes = None, args
     dll.qb_isa.restype, dll.qb_isa.argtypes = ctypes.c_int, []
+    dll.qb_decode_scratch.restype, dll.qb_decode_scratch.argtypes = ctypes.c_long, [P, L]
     return dll
 
 

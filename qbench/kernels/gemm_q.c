@@ -37,47 +37,55 @@ static inline __attribute__((always_inline)) void tile_i8(const int MT, const fl
     OUT8(0) OUT8(1) OUT8(2) OUT8(3) OUT8(4) OUT8(5)
 }
 
-#define ROW8U(i) if (MT > i) { __m256 xa = _mm256_broadcast_ss(x + i * K + k);                   \
-                               __m256 xb = _mm256_broadcast_ss(x + i * K + k + 1);               \
-                               a##i##0 = _mm256_fmadd_ps(xa, wa0, a##i##0);                      \
-                               a##i##1 = _mm256_fmadd_ps(xa, wa1, a##i##1);                      \
-                               b##i##0 = _mm256_fmadd_ps(xb, wb0, b##i##0);                      \
-                               b##i##1 = _mm256_fmadd_ps(xb, wb1, b##i##1); }
-#define OUT8U(i) if (MT > i) store16(y + i * N, _mm256_mul_ps(_mm256_add_ps(a##i##0, b##i##0), s0),     \
-                                     _mm256_mul_ps(_mm256_add_ps(a##i##1, b##i##1), s1), nvalid);
-
-static inline void unpack16_i8(const int8_t *w, __m256 *w0, __m256 *w1) {
-    __m128i b = _mm_loadu_si128((const __m128i *)w);
-    *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-}
-
-/* one or two rows, k unrolled by two: batch-1 decode is otherwise FMA-latency-bound */
-static inline __attribute__((always_inline)) void tile_i8_small(const int MT, const float *x, const int8_t *w,
-                                                               long K, const float *scale, float *y, long N,
-                                                               long nvalid) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, b00 = a00, b01 = a00, b10 = a00, b11 = a00;
-    long k = 0;
-    for (; k + 2 <= K; k += 2) {
-        __m256 wa0, wa1, wb0, wb1;
-        if ((k & 3) == 0) PREFETCH_Q(w + k * PANEL);
-        unpack16_i8(w + k * PANEL, &wa0, &wa1);
-        unpack16_i8(w + (k + 1) * PANEL, &wb0, &wb1);
-        ROW8U(0) ROW8U(1)
-    }
-    if (k < K) {
-        __m256 wa0, wa1, wb0 = _mm256_setzero_ps(), wb1 = wb0;
-        unpack16_i8(w + k * PANEL, &wa0, &wa1);
-        for (int i = 0; i < MT; i++) {
-            __m256 xa = _mm256_broadcast_ss(x + i * K + k);
-            if (i == 0) { a00 = _mm256_fmadd_ps(xa, wa0, a00); a01 = _mm256_fmadd_ps(xa, wa1, a01); }
-            else { a10 = _mm256_fmadd_ps(xa, wa0, a10); a11 = _mm256_fmadd_ps(xa, wa1, a11); }
+/* One or two rows (decode) against NP panels at once. A single row's two accumulator chains per panel
+ * would wait on the FMA latency; NP panels give 2 * NP independent chains, and each column still sums its k
+ * in order, exactly as tile_i8 does, so a row's result does not depend on how many rows share its call. */
+static inline __attribute__((always_inline)) void tile_i8_narrow(const int MT, const int NP, const float *x,
+                                                                const int8_t *w, long K, const float *scale,
+                                                                float *y, long N, long nlast) {
+    __m256 acc[2][4][2];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < NP; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k++) {
+        #pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) {
+            const int8_t *wj = w + j * K * PANEL + k * PANEL;
+            if ((k & 3) == 0) PREFETCH_Q(wj);
+            __m128i b = _mm_loadu_si128((const __m128i *)wj);
+            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+            #pragma GCC unroll 2
+            for (int i = 0; i < MT; i++) {
+                __m256 xb = _mm256_broadcast_ss(x + i * K + k);
+                acc[i][j][0] = _mm256_fmadd_ps(xb, w0, acc[i][j][0]);
+                acc[i][j][1] = _mm256_fmadd_ps(xb, w1, acc[i][j][1]);
+            }
         }
-        (void)wb0; (void)wb1;
     }
-    __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-    OUT8U(0) OUT8U(1)
+    for (int j = 0; j < NP; j++) {
+        __m256 s0 = _mm256_loadu_ps(scale + j * PANEL), s1 = _mm256_loadu_ps(scale + j * PANEL + 8);
+        for (int i = 0; i < MT; i++)
+            store16(y + i * N + j * PANEL, _mm256_mul_ps(acc[i][j][0], s0), _mm256_mul_ps(acc[i][j][1], s1),
+                    j == NP - 1 ? nlast : PANEL);
+    }
 }
+
+#define NARROW(mt, np) tile_i8_narrow(mt, np, x, w, K, scale + n0, y + n0, N, nlast)
+/* Panels [p0, p0 + np) for one or two rows; only the matrix's last panel may be partial. */
+static void panels_i8_narrow(long M, const float *x, const int8_t *wp, long K, const float *scale, float *y,
+                             long N, long p0, long np) {
+    const int8_t *w = wp + p0 * K * PANEL;
+    long n0 = p0 * PANEL, nlast = N - (n0 + (np - 1) * PANEL) < PANEL ? N - (n0 + (np - 1) * PANEL) : PANEL;
+    if (M == 2) {
+        if (np == 2) NARROW(2, 2); else NARROW(2, 1);
+    } else switch (np) {
+        case 4: NARROW(1, 4); break;
+        case 3: NARROW(1, 3); break;
+        case 2: NARROW(1, 2); break;
+        default: NARROW(1, 1); break;
+    }
+}
+#undef NARROW
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 int qb_isa(void);
@@ -127,17 +135,21 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
                 int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
     int wide = qb_isa() == 512;
+    if (!wide && M <= 2) {
+        long np = M == 2 ? 2 : 4, ngroups = (npanels + np - 1) / np;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long gi = 0; gi < ngroups; gi++) {
+            long p0 = gi * np;
+            panels_i8_narrow(M, x, wp, K, scale, y, N, p0, npanels - p0 < np ? npanels - p0 : np);
+        }
+        return;
+    }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
         const int8_t *w = wp + p * K * PANEL;
         long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
         if (wide) {
             panel_i8z(M, x, w, K, scale + n0, y + n0, N, nvalid);
-            continue;
-        }
-        if (M <= 2) {
-            if (M == 2) tile_i8_small(2, x, w, K, scale + n0, y + n0, N, nvalid);
-            else tile_i8_small(1, x, w, K, scale + n0, y + n0, N, nvalid);
             continue;
         }
         for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {

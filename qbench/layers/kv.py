@@ -116,7 +116,7 @@ class QuantBlockKV:
 
     def write_meta(self, meta, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (N, nkv, hd): the real new tokens of this step, sequence by sequence in position order."""
-        plan = self._decode_plan(meta)
+        plan = self.decode_plan(meta)
         if plan is not None:
             return self._write_decode(plan, k, v)
         bs, W = self.block_size, self.windows
@@ -144,7 +144,7 @@ class QuantBlockKV:
                 rk[r, j % W, off: off + p1 - p0] = kb[p0 - before: p1 - before]
                 rv[r, j % W, off: off + p1 - p0] = vb[p0 - before: p1 - before]
 
-    def _decode_plan(self, meta) -> tuple | None:
+    def decode_plan(self, meta) -> tuple | None:
         """Where a decode step's tokens go, the same for every layer (computed once, kept on ``meta``): ring
         rows (flat) and the blocks that leave the window (ring slot -> pool block). None: a step that writes
         more than one token to some row (a prefill), which takes the general path."""
@@ -174,11 +174,17 @@ class QuantBlockKV:
         then whole in its ring slot (a one-token step never writes the slot it frees) and is quantized from
         there, all rows' leaving blocks in one call per codec."""
         ring_rows, leaving = plan
-        bs, nkv, hd = self.s["rk"].shape[2:]
+        nkv, hd = self.s["rk"].shape[3:]
         for name, x in (("rk", k), ("rv", v)):
             self.s[name].view(-1, nkv, hd).index_copy_(0, ring_rows, x.to(self.s[name].dtype))
+        self.store_leaving(leaving)
+
+    def store_leaving(self, leaving: tuple | None) -> None:
+        """Quantize the blocks that leave the window on a decode step (``decode_plan``'s second part), from their
+        ring slots into their pool blocks."""
         if leaving is None:
             return
+        bs, nkv, hd = self.s["rk"].shape[2:]
         ring_slot, blocks = leaving
         for prefix, codec, name in (("k", self.kcodec, "rk"), ("v", self.vcodec, "rv")):
             self._store(prefix, codec, blocks, self.s[name].view(-1, bs, nkv, hd)[ring_slot])  # (n, bs, nkv, hd)

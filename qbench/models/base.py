@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from qbench.layers.attention import AttnMetadata, build_mask, uses_kernel
+from qbench.layers.fused_decode import FusedDecoder
 from qbench.layers.kv import BlockKV
 from qbench.models.config import ModelConfig
 
@@ -41,8 +44,10 @@ class CausalLM(torch.nn.Module):
         meta: AttnMetadata,
         caches: list[BlockKV] | None = None,
         logits_index: torch.Tensor | None = None,
+        fused: FusedDecoder | None = None,
     ) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, V) at ``logits_index`` per row, else (B, T, V)."""
+        """input_ids (B, T) -> logits (B, V) at ``logits_index`` per row, else (B, T, V). ``fused`` (from
+        ``fused_decoder``, over these caches) runs a decode step's layers in one native call."""
         cfg = self.config
         if self.tp is None:
             x = self.embed(input_ids, meta.positions)  # (B, T, H)
@@ -51,6 +56,9 @@ class CausalLM(torch.nn.Module):
             inside = (local >= 0) & (local < cfg.vocab_size)
             x = self.tp.all_reduce((self.embed(local.clamp(0, cfg.vocab_size - 1), meta.positions)
                                     * inside[..., None]).contiguous())
+        out = None if fused is None else fused.run(x, meta)
+        if out is not None:
+            return self._logits(out, logits_index)
         mask = None
         c0 = None if caches is None else caches[0]
         # a quantized pool is read in place on decode (one token per row), dequantized whole otherwise
@@ -59,6 +67,10 @@ class CausalLM(torch.nn.Module):
             mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
         for i, block in enumerate(self.blocks):
             x = block(x, mask, meta, None if caches is None else caches[i])
+        return self._logits(x, logits_index)
+
+    def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states (B, T, H) after the last block -> logits (B, V) at ``logits_index``, else (B, T, V)."""
         if logits_index is not None:
             # (B, 1, H): one row per sequence, so the head picks its kernel by rows per sequence, not by B
             x = x[torch.arange(x.shape[0]), logits_index].unsqueeze(1)
@@ -66,6 +78,13 @@ class CausalLM(torch.nn.Module):
         if logits_index is not None:
             logits = logits.squeeze(1)  # (B, V)
         return logits if self.tp is None else self.tp.gather_vocab(logits)
+
+    def fused_decoder(self, caches: list) -> FusedDecoder | None:
+        """The one-call decode step over these caches, where every layer and cache allows it (and
+        ``QBENCH_FUSED=0`` does not turn it off); None otherwise."""
+        if os.environ.get("QBENCH_FUSED", "") == "0" or self.tp is not None:
+            return None
+        return FusedDecoder.build(self.blocks, caches)
 
     def weight_bytes(self) -> int:
         """Bytes held by weight tensors, counting a shared (tied) tensor once."""

@@ -53,6 +53,16 @@ class LlamaBlock(torch.nn.Module):
         gate, up = gate_up.split(self.inter, dim=-1)
         return x + self._sum(self.down_proj(self.act(gate) * up))
 
+    def fused_spec(self) -> dict | None:
+        """What the one-call decode step (layers/fused_decode.py) needs of this layer; None where it runs another
+        computation than this forward (another activation, or a tensor-parallel all-reduce)."""
+        if not self.fused_silu or self.reduce is not None or self.input_norm.eps != self.post_norm.eps:
+            return None
+        return dict(H=self.input_norm.weight.shape[0], nh=self.nh, nkv=self.nkv, hd=self.hd, I=self.inter,
+                    window=self.window, eps=self.input_norm.eps, scale=self.scale, norm_in=self.input_norm.weight,
+                    norm_post=self.post_norm.weight, qkv=self.qkv, o=self.o_proj, gate_up=self.gate_up,
+                    down=self.down_proj)
+
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's partial sums -> the full output (identity on one process)."""
         return partial if self.reduce is None else self.reduce(partial.contiguous())

@@ -1,0 +1,121 @@
+"""The one-call decode step (kernels/layer.c) against the layer-by-layer path it replaces: the same logits bit
+for bit, for every family, weight scheme and KV scheme it takes; the others fall back; batched == sequential."""
+
+import pytest
+import torch
+
+from conftest import FAMILIES
+from qbench.engine.engine import Engine
+from qbench.engine.sampling import SamplingParams
+from qbench.kernels import build
+from qbench.layers import fused_decode
+from qbench.layers.kvquant import KVScheme
+from qbench.models.registry import load_model
+from qbench.quant.apply import quantize_model
+from qbench.quant.recipe import load_recipe
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels not built here")
+
+UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70))]
+WEIGHTS = ["fp32", "w8", "w4g64", "w4g128-asym", "w4g64-head"]
+KV = [None, KVScheme(scheme="fp16"), KVScheme(scheme="bf16"), KVScheme(8, 8, v_group=16),
+      KVScheme(4, 2, v_group=16), KVScheme(4, 4, v_group=16, residual=48), KVScheme(8, 8, scheme="fp8"),
+      KVScheme(16, 4, v_group=16), KVScheme(4, 4, scheme="per-tensor")]
+FUSABLE = {"llama", "llama-tied-bias", "llama3-rope", "mistral", "mistral-window", "qwen2"}
+
+
+def _model(tiny_models, family, weights):
+    model = load_model(tiny_models[family][0])
+    if weights != "fp32":
+        recipe = load_recipe(weights)
+        if family == "gpt2" or (model.embed_tokens is None and recipe.weights.embedding != "fp32"):
+            pytest.skip(f"{weights} does not apply to {family}")
+        quantize_model(model, recipe, None, log=lambda *a: None)
+    return model
+
+
+def _decode_logits(model, kv, monkeypatch, fused: bool, prompts=UNEVEN, steps=20):
+    """A batched greedy run -> each row's tokens, whether each decode step ran in one call, and the pool."""
+    monkeypatch.setenv("QBENCH_FUSED", "1" if fused else "0")
+    eng = Engine(model, block_size=16, kv_scheme=kv, kv_capacity_tokens=512)
+    ran = []
+    real_run = fused_decode.FusedDecoder.run
+
+    def counted(self, x, meta):
+        out = real_run(self, x, meta)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_decode.FusedDecoder, "run", counted)
+    out = eng.generate(prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))
+    monkeypatch.setattr(fused_decode.FusedDecoder, "run", real_run)
+    return [s.output_ids for s in out], ran, eng.pool
+
+
+def _kv_id(kv):
+    return "fp32-cache" if kv is None else kv.describe()
+
+
+# every family on every KV scheme (fp32 weights); every weight scheme on every KV scheme (qwen2, with q/k/v
+# biases) and on the rest of the families
+CASES = ([(f, "fp32", kv) for f in FAMILIES for kv in KV]
+         + [("qwen2", w, kv) for w in WEIGHTS[1:] for kv in KV]
+         + [("mistral-window", w, kv) for w in WEIGHTS[1:] for kv in (KV[1], KV[5])]
+         + [(f, w, None) for f in FAMILIES for w in WEIGHTS[1:] if f not in ("qwen2", "mistral-window")])
+
+
+@pytest.mark.parametrize("family,weights,kv", CASES, ids=[f"{f}-{w}-{_kv_id(kv)}" for f, w, kv in CASES])
+def test_the_one_call_step_equals_the_layer_by_layer_step(tiny_models, family, weights, kv, monkeypatch):
+    from qbench.engine import runner as runner_mod
+
+    model = _model(tiny_models, family, weights)
+    logits = {}
+    for fused in (False, True):
+        seen = logits.setdefault(fused, [])
+        real = runner_mod.ModelRunner.decode
+        monkeypatch.setattr(runner_mod.ModelRunner, "decode",
+                            lambda self, seqs, real=real, seen=seen: seen.append(real(self, seqs)) or seen[-1])
+        ids, ran, pool = _decode_logits(model, kv, monkeypatch, fused)
+        monkeypatch.setattr(runner_mod.ModelRunner, "decode", real)
+        if fused:
+            # the quantized layouts that qb_attention_kv reads in place (not the per-tensor baseline, nor 2-bit
+            # codes at the tiny models' head_dim of 16: a 2-bit chunk is 32 channels)
+            in_place = kv is None or not kv.quantized or pool.layers[0].decode_kernel
+            assert in_place == (kv is None or kv.scheme != "per-tensor" and kv.v_bits != 2)
+            takes = family in FUSABLE and in_place
+            # every step ran in one call, or none did (a layout it does not take falls back whole)
+            assert ran == ([True] * 19 if takes else []), (family, weights, ran)
+    assert len(logits[False]) == len(logits[True]) == 19
+    for a, b in zip(logits[False], logits[True]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kv", [None, KVScheme(scheme="bf16"), KVScheme(4, 4, v_group=16)], ids=_kv_id)
+@pytest.mark.parametrize("weights", ["fp32", "w8", "w4g64"])
+def test_batched_equals_sequential_on_the_one_call_step(tiny_models, weights, kv, monkeypatch):
+    model = _model(tiny_models, "qwen2", weights)
+    batched, ran, _ = _decode_logits(model, kv, monkeypatch, True, steps=24)
+    assert ran and all(ran)
+    assert batched == [_decode_logits(model, kv, monkeypatch, True, [p], steps=24)[0][0] for p in UNEVEN]
+
+
+def test_a_quantized_pool_stores_leaving_blocks_between_the_write_and_attention(tiny_models, monkeypatch):
+    """Steps where a block leaves a quantized pool's window run layer by layer in two native calls, with the
+    block stored in between; the pool ends bit-identical to the layer-by-layer path's."""
+    model = _model(tiny_models, "llama", "w4g64")
+    kv = KVScheme(4, 4, v_group=16)
+    pools = {}
+    for fused in (False, True):
+        monkeypatch.setenv("QBENCH_FUSED", "1" if fused else "0")
+        eng = Engine(model, block_size=16, kv_scheme=kv, kv_capacity_tokens=512)
+        calls = []
+        real = fused_decode.FusedDecoder.run
+        monkeypatch.setattr(fused_decode.FusedDecoder, "run", lambda self, x, meta: calls.append(
+            self.caches[0].decode_plan(meta)[1] is not None) or real(self, x, meta))
+        eng.generate([list(range(3, 30))], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        monkeypatch.setattr(fused_decode.FusedDecoder, "run", real)
+        pools[fused] = {k: t.clone() for k, t in eng.pool.store.items()}
+        if fused:
+            # positions 27 to 65 written one by one: blocks 0, 1 and 2 left the window (of 16 + one block)
+            assert sum(calls) == 3
+    assert all(torch.equal(pools[False][k], pools[True][k]) for k in pools[False])
