@@ -142,3 +142,22 @@ def test_llama_cpps_read_per_step_comes_from_its_gguf(smollm2, qwen):
         # tied: the table is the head, read whole; untied (Qwen, a Q8_0 head): the table is not read
         assert gguf_decode_bytes(g) == sum(sizes.values()) - (0 if tied else sizes["token_embd.weight"])
         assert gguf_decode_bytes(g) < g.stat().st_size
+
+
+def test_llama_cpp_decodes_a_batch_of_sequences_in_one_call_per_step(smollm2):
+    """The batched peer: B sequences, each with its own id and position, one llama_decode per step; a row's
+    greedy tokens are those it gets alone (llama-cpp-python is optional: not installed, the case is skipped)."""
+    import pytest
+
+    from qbench.bench.peers import llama_cpp_available, llama_cpp_build, run_llama_cpp
+    from qbench.bench.workload import bench_prompts
+    from qbench.engine.api import load_tokenizer
+    from qbench.models.zoo import gguf_path
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python is not installed (README: the command that builds it)")
+    prompts = bench_prompts(load_tokenizer(smollm2), 3, 24)
+    batched = run_llama_cpp(gguf_path(smollm2), prompts, 6, 2)
+    assert batched["batch"] == 3 and len(batched["decode_s"]) == 5 and all(len(t) == 6 for t in batched["tokens"])
+    alone = [run_llama_cpp(gguf_path(smollm2), [p], 6, 2)["tokens"][0] for p in prompts]
+    assert sum(a[:3] == b[:3] for a, b in zip(alone, batched["tokens"])) >= 2
+    assert "AVX" in llama_cpp_build() or "NEON" in llama_cpp_build()

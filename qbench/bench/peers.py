@@ -62,32 +62,89 @@ def llama_cpp_available() -> bool:
         return False
 
 
-def run_llama_cpp(gguf: Path, prompt: list[int], gen_len: int, threads: int) -> dict:
-    """Batch-1 greedy decode through llama-cpp-python on the GGUF qbench's model came from.
+_QUIET = []  # the log callback handed to llama.cpp, kept alive here
 
-    The prompt goes in as qbench's token ids, so both engines see the same tokens.
+
+def _quiet_llama_cpp() -> None:
+    """llama.cpp logs every load and context to stderr; a bench case keeps its own output."""
+    import ctypes
+
+    import llama_cpp as L
+
+    if not _QUIET:
+        _QUIET.append(L.llama_log_callback(lambda level, text, user_data: None))
+        L.llama_log_set(_QUIET[0], ctypes.c_void_p(0))
+
+
+def llama_cpp_build() -> str:
+    """The llama.cpp build the installed llama-cpp-python carries: its version and the CPU features it was
+    compiled for (``llama_print_system_info``)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info()
+    info = info.decode() if isinstance(info, bytes) else str(info)
+    return f"llama-cpp-python {llama_cpp.__version__}: {' '.join(info.split())}"
+
+
+def run_llama_cpp(gguf: Path, prompts: list[list[int]], gen_len: int, threads: int) -> dict:
+    """Greedy decode of every prompt at once through llama.cpp's batch API, on the GGUF qbench's model came
+    from: one ``llama_decode`` per step carries one token of each sequence (its own sequence id and position),
+    as a server batches requests. The prompts go in as qbench's token ids, so both engines see the same tokens.
     """
-    import numpy as np
-    from llama_cpp import Llama
+    import ctypes
 
-    llm = Llama(model_path=str(gguf), n_ctx=len(prompt) + gen_len + 16, n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=False)
-    t0 = time.perf_counter()
-    llm.eval(prompt)
-    prefill = time.perf_counter() - t0
-    steps, tokens = [], []
-    n_vocab = llm.n_vocab()
-    for _ in range(gen_len - 1):
-        # the last token's logits (llama-cpp-python keeps no score rows unless logits_all)
-        tok = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
-        tokens.append(tok)
+    import llama_cpp as L
+    import numpy as np
+
+    B, P = len(prompts), max(len(p) for p in prompts)
+    _quiet_llama_cpp()
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(gguf).encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf}")
+    cp = L.llama_context_default_params()
+    cp.n_ctx = B * (P + gen_len + 16)  # each sequence gets its own share of the context
+    cp.n_batch = max(512, B * P)
+    cp.n_seq_max = B
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(max(B * P, B), 0, 1)
+
+    def submit(rows: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+        for i, (tok, pos, seq, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, int(logits)
+        batch.n_tokens = len(rows)
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def argmax(i: int) -> int:
+        ptr = L.llama_get_logits_ith(ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                                   shape=(n_vocab,))))
+
+    try:
         t0 = time.perf_counter()
-        llm.eval([tok])
-        steps.append(time.perf_counter() - t0)
-    size = gguf.stat().st_size
-    llm.close()
-    return {"prefill_s": prefill, "decode_s": steps, "batch": 1, "weight_bytes": size, "tokens": tokens,
-            "decode_weight_bytes": gguf_decode_bytes(gguf)}
+        submit([(t, j, b, j == len(p) - 1) for b, p in enumerate(prompts) for j, t in enumerate(p)])
+        prefill = time.perf_counter() - t0
+        last = np.cumsum([len(p) for p in prompts]) - 1  # each prompt's last row in the prefill batch
+        nxt = [argmax(int(i)) for i in last]
+        tokens, steps = [[t] for t in nxt], []
+        for step in range(gen_len - 1):
+            t0 = time.perf_counter()
+            submit([(nxt[b], len(prompts[b]) + step, b, True) for b in range(B)])
+            steps.append(time.perf_counter() - t0)
+            nxt = [argmax(b) for b in range(B)]
+            for b in range(B):
+                tokens[b].append(nxt[b])
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    return {"prefill_s": prefill, "decode_s": steps, "batch": B, "weight_bytes": gguf.stat().st_size,
+            "tokens": tokens, "decode_weight_bytes": gguf_decode_bytes(gguf)}
 
 
 def gguf_decode_bytes(gguf: Path) -> int:

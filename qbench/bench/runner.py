@@ -86,7 +86,7 @@ def run_case(case: dict) -> dict:
     """Runs in a fresh process. Returns the raw measurements of one backend at one batch size."""
     import torch
 
-    from qbench.bench.peers import hf_cache_bytes, run_hf_generate, run_llama_cpp
+    from qbench.bench.peers import hf_cache_bytes, llama_cpp_build, run_hf_generate, run_llama_cpp
     from qbench.bench.workload import bench_prompts
     from qbench.engine.api import load_tokenizer
     from qbench.models.registry import DTYPES, load_model
@@ -146,6 +146,7 @@ def run_case(case: dict) -> dict:
         raw = {"prefill_s": sum(st.prefill_s), "decode_s": st.decode_s, "batch": B}
         res["tokens"] = [s.output_ids for s in seqs]
         if backend == "qbench":
+            res["decode_path"] = "one call per step" if runner.runner.fused else "layer by layer"
             res["kv_bytes_reserved"] = runner.pool.nbytes
             res["kv_bytes_used"] = sum(len(s) - 1 for s in seqs) * runner.pool.bytes_per_token
             res["kv_bytes_per_token"] = runner.pool.bytes_per_token
@@ -168,12 +169,13 @@ def run_case(case: dict) -> dict:
         res["tokens"] = raw.pop("tokens")
     elif backend == "llama.cpp":
         gguf = gguf_path(folder)
-        run_llama_cpp(gguf, prompts[0], 4, torch.get_num_threads())
-        raw = run_llama_cpp(gguf, prompts[0], G, torch.get_num_threads())
+        run_llama_cpp(gguf, prompts, 4, torch.get_num_threads())
+        raw = run_llama_cpp(gguf, prompts, G, torch.get_num_threads())
         res["weight_bytes"] = raw.pop("weight_bytes")
         res["decode_weight_bytes"] = raw.pop("decode_weight_bytes")
         res["decode_kv_bytes_per_token"] = _fp_kv_bytes(folder, 2)  # llama.cpp's default cache is f16
-        res["tokens"] = [raw.pop("tokens")]
+        res["tokens"] = raw.pop("tokens")
+        res["llama_cpp_build"] = llama_cpp_build()
     else:
         raise ValueError(backend)
     res.update(summarize(raw, B * P))
@@ -209,8 +211,6 @@ def plan(cfg: BenchConfig) -> tuple[list[dict], list[str]]:
                 skipped.append("llama.cpp: this model has no source GGUF (only zoo models do)")
                 continue
         for b in cfg.batch_sizes:
-            if backend == "llama.cpp" and b != 1:
-                continue  # llama-cpp-python's high-level API decodes one sequence
             if backend == "nocache" and b not in cfg.nocache_batch_sizes:
                 continue
             cases.append({"backend": backend, "label": backend, "batch": b, "model": cfg.model,

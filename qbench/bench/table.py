@@ -47,6 +47,12 @@ def render_table(report: dict) -> str:
         out.append("")
         out.append("decode speed, qbench / peer (same run): " +
                    ", ".join(f"{k} {v:.2f}x" for k, v in sorted(report["ratios"].items())))
+    builds = {r["llama_cpp_build"] for r in report["results"] if r.get("llama_cpp_build")}
+    for b in sorted(builds):
+        out.append(f"llama.cpp build: {b}")
+    paths = {r["label"]: r["decode_path"] for r in report["results"] if r.get("decode_path")}
+    if paths:
+        out.append("qbench decode steps: " + ", ".join(f"{k} {v}" for k, v in paths.items()))
     for s in report.get("skipped", []):
         out.append(f"skipped: {s}")
     return "\n".join(out)

@@ -40,6 +40,11 @@ class ModelRunner:
         self._fused = None  # the one-call decode step over this pool, made at the first decode
         self._fused_made = False
 
+    @property
+    def fused(self) -> bool:
+        """Whether decode steps run every layer in one native call (``CausalLM.fused_decoder``)."""
+        return self._fused is not None
+
     def _tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
         return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs], dtype=torch.int64)
