@@ -233,6 +233,18 @@ def test_non_finite_scales_or_weights_are_refused_with_the_tensor_name(tiny_mode
     one_line_error(qbench("generate", str(out), "hi"), "holds NaN or infinite values")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_chunked_finite_check_finds_a_bad_value_in_any_chunk(dtype):
+    from qbench.models.weights import all_finite
+    t = torch.randn(7, 13).to(dtype)  # 91 values: chunks of 10 leave a short last one
+    assert all_finite(t, chunk=10) and all_finite(t)
+    for i in (0, 9, 10, 45, 89, 90):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            u = t.clone()
+            u.view(-1)[i] = bad
+            assert not all_finite(u, chunk=10) and not all_finite(u), (i, bad)
+
+
 def test_manifest_that_does_not_match_the_tensors_is_refused(tiny_models, tmp_path):
     folder, _ = tiny_models["llama"]
     out = tmp_path / "a"
