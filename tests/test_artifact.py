@@ -245,6 +245,51 @@ def test_the_chunked_finite_check_finds_a_bad_value_in_any_chunk(dtype):
             assert not all_finite(u, chunk=10) and not all_finite(u), (i, bad)
 
 
+def _mapping_of(t: torch.Tensor) -> str | None:
+    """What is mapped at t's first byte (a file, [heap], or None for anonymous memory), from /proc/self/maps."""
+    at = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= at < hi:
+            return parts[5] if len(parts) > 5 else None
+    return None
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-tied-bias"])
+def test_an_fp32_embedding_table_stays_in_the_file_until_its_rows_are_read(tiny_models, tmp_path, family):
+    from qbench.models.weights import LazyTensors
+    folder, _ = tiny_models[family]
+    out = tmp_path / "a"
+    run_quantize(str(folder), "w4g64-head", out, log=lambda s: None)  # the head INT4, the table fp32
+    model, _ = load_artifact(out)
+    table = model.embed_tokens.weight
+    assert _mapping_of(table) == str(out / "model.safetensors")
+    read = LazyTensors(out, torch.float32).get("model.embed_tokens.weight")  # read, not mapped
+    assert _mapping_of(read) != str(out / "model.safetensors") and torch.equal(table, read)
+    ids = torch.tensor([[1, 5, 7]])
+    assert torch.equal(model.embed(ids, None), read[ids])
+    before = (out / "model.safetensors").read_bytes()
+    table[0, 0] = 123.0  # copy on write: the file never changes under qbench
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("at", [0, 63, 64, 65, 255])
+def test_a_mapped_table_is_checked_for_nan_in_every_chunk(tmp_path, at):
+    from qbench.models.weights import LazyTensors
+    t = torch.randn(16, 16)  # 1,024 bytes: chunks of 256 bytes
+    t.view(-1)[at] = float("nan")
+    save_file({"w": t, "ok": torch.randn(16, 16)}, str(tmp_path / "model.safetensors"))
+    src = LazyTensors(tmp_path, torch.float32)
+    f, info, start = src.where["w"]
+    with pytest.raises(QBenchError, match="tensor 'w' holds NaN or infinite values"):
+        src._mapped("w", f, info, start, torch.float32, chunk=256)
+    with pytest.raises(QBenchError, match="tensor 'w' holds NaN or infinite values"):
+        src.get("w", mapped=True)
+    f, info, start = src.where["ok"]
+    assert torch.equal(src._mapped("ok", f, info, start, torch.float32, chunk=256), src.get("ok"))
+
+
 def test_manifest_that_does_not_match_the_tensors_is_refused(tiny_models, tmp_path):
     folder, _ = tiny_models["llama"]
     out = tmp_path / "a"

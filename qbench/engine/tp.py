@@ -83,10 +83,11 @@ class ShardedTensors:
                 "k": (s.kv_heads[0] * hd, s.kv_heads[1] * hd), "v": (s.kv_heads[0] * hd, s.kv_heads[1] * hd),
                 "gate": s.inter, "up": s.inter, "down": s.inter}[proj]
 
-    def get(self, name: str, default=None):
+    def get(self, name: str, default=None, **kw):
+        """The shard of ``name``; ``kw`` (keep_dtype, mapped) goes to the full mapping's get."""
         if name not in self.inner:
             return default
-        t = self.inner.get(name)
+        t = self.inner.get(name, **kw)
         if m := _ROW.search(name):
             a, b = self._range(m.group(1) or m.group(2))
             return t[a:b].contiguous()

@@ -25,4 +25,18 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, tensors=None, f
         cfg, tensors = shard(cfg, tensors)
     model = FAMILIES[cfg.family](cfg, tensors, where=str(folder), factory=factory)
     model.eval()
+    release_free_memory()
     return model
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free memory back to the system. Loading reads each tensor into a buffer and
+    converts it (packs panels, unpacks codes); glibc keeps the freed buffers, 77 MiB of resident memory
+    on SmolLM2 w4g64-head after loading (382 -> 305 MiB). No-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

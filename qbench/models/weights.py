@@ -73,6 +73,12 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
     return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
+def _not_finite(f: Path, name: str):
+    # a NaN scale or weight does not crash: it silently generates garbage (token 0 repeated)
+    raise QBenchError(f"{f}: tensor {name!r} holds NaN or infinite values; the file is damaged, or the "
+                      f"model that made it diverged: re-create it")
+
+
 class LazyTensors:
     """A read-only mapping name -> tensor over safetensors files, read on access.
 
@@ -90,28 +96,52 @@ class LazyTensors:
                 if name != "__metadata__":
                     self.where[name] = (f, info, start)
 
+    @staticmethod
+    def _mapped(name: str, f: Path, info: dict, start: int, dt: torch.dtype, chunk: int = 1 << 22) -> torch.Tensor:
+        import numpy as np
+
+        b, e = info["data_offsets"]
+        if dt.is_floating_point:
+            buf = torch.empty(chunk, dtype=torch.uint8)  # chunk is a multiple of every element size
+            with open(f, "rb") as fh:
+                fh.seek(start + b)
+                for at in range(b, e, chunk):
+                    n = min(chunk, e - at)
+                    if fh.readinto(memoryview(buf.numpy())[:n]) != n:
+                        raise QBenchError(f"{f}: tensor {name!r} is truncated; re-create the file")
+                    if not all_finite(buf[:n].view(dt)):
+                        _not_finite(f, name)
+        raw = np.memmap(f, dtype=np.uint8, mode="c", offset=start + b, shape=(e - b,))
+        return torch.from_numpy(raw).view(dt).reshape(info["shape"])
+
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
     def keys(self):
         return self.where.keys()
 
-    def get(self, name: str, default=None, keep_dtype: bool = False):
-        """The tensor, floats converted to this mapping's dtype unless ``keep_dtype`` (an fp16 table stays fp16)."""
+    def get(self, name: str, default=None, keep_dtype: bool = False, mapped: bool = False):
+        """The tensor, floats converted to this mapping's dtype unless ``keep_dtype`` (an fp16 table stays fp16).
+
+        ``mapped``: a tensor that needs no conversion is returned as a private (copy-on-write) memory map of
+        the file, checked first by reading it through a small buffer, so only the pages later touched become
+        resident: an embedding table, of which a step reads one row per token, as llama.cpp maps its file."""
         if name not in self.where:
             return default
         f, info, start = self.where[name]
         b, e = info["data_offsets"]
+        dt = _DTYPES[info["dtype"]]
+        if mapped and e > b and (not dt.is_floating_point or keep_dtype or dt == self.dtype) \
+                and (start + b) % dt.itemsize == 0:
+            return self._mapped(name, f, info, start, dt)
         buf = torch.empty(e - b, dtype=torch.uint8)
         with open(f, "rb") as fh:
             fh.seek(start + b)
             if fh.readinto(memoryview(buf.numpy())) != e - b:
                 raise QBenchError(f"{f}: tensor {name!r} is truncated; re-create the file")
-        t = buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        t = buf.view(dt).reshape(info["shape"])
         if t.is_floating_point() and not all_finite(t):
-            # a NaN scale or weight does not crash: it silently generates garbage (token 0 repeated)
-            raise QBenchError(f"{f}: tensor {name!r} holds NaN or infinite values; the file is damaged, or the "
-                              f"model that made it diverged: re-create it")
+            _not_finite(f, name)
         return t.to(self.dtype) if t.is_floating_point() and t.dtype != self.dtype and not keep_dtype else t
 
 
@@ -147,8 +177,10 @@ class Weights:
     def has(self, name: str) -> bool:
         return (self.prefix + name) in self.tensors or name in self.tensors
 
-    def get(self, name: str, shape: tuple[int, ...] | None = None, keep_dtype: bool = False) -> torch.Tensor:
-        kw = {"keep_dtype": True} if keep_dtype else {}  # a stored fp16 / bf16 table stays narrow
+    def get(self, name: str, shape: tuple[int, ...] | None = None, keep_dtype: bool = False,
+            mapped: bool = False) -> torch.Tensor:
+        # a stored fp16 / bf16 table stays narrow; a mapped one stays in the file until its pages are read
+        kw = {**({"keep_dtype": True} if keep_dtype else {}), **({"mapped": True} if mapped else {})}
         t = self.tensors.get(self.prefix + name, **kw)
         if t is None:
             t = self.tensors.get(name, **kw)
@@ -178,7 +210,7 @@ class Weights:
         if make is not None:
             return make(self, name, shape, out_dtype)
         from qbench.layers.embedding import Embedding
-        return Embedding(self.get(name + ".weight", shape), out_dtype)
+        return Embedding(self.get(name + ".weight", shape, mapped=True), out_dtype)
 
     def linear(self, names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
         """Projections ``names`` with (out, in) ``shapes``, fused in order -> one module."""

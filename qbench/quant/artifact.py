@@ -204,7 +204,7 @@ class QuantFactory:
                 raise QBenchError(f"{self.where}: {name}.qweight is {codes.dtype}, the manifest says INT8; "
                                   f"re-create the artifact")
             return Int8Embedding(QTensor(8, codes, scales.half(), None, None, (V, H)), out_dtype)
-        return Embedding(w.get(name + ".weight", shape, keep_dtype=scheme != "fp32"), out_dtype)
+        return Embedding(w.get(name + ".weight", shape, keep_dtype=scheme != "fp32", mapped=True), out_dtype)
 
     def is_quantized(self, w: Weights, name: str) -> bool:
         return self._key(w, name) is not None
