@@ -82,9 +82,10 @@ def _not_finite(f: Path, name: str):
 class LazyTensors:
     """A read-only mapping name -> tensor over safetensors files, read on access.
 
-    Tensors are read with plain file reads, not a memory map, one at a time: each is
-    converted (fused, transposed, packed) and the original freed before the next, so
-    peak memory stays near the model's final size.
+    Tensors are read with plain file reads, one at a time: each is converted (fused,
+    transposed, packed) and the original freed before the next, so peak memory stays near
+    the model's final size. The exception is a tensor asked for ``mapped`` (an embedding
+    table that needs no conversion), which stays a memory map of the file.
     """
 
     def __init__(self, folder: Path, dtype: torch.dtype):
