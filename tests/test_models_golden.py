@@ -70,3 +70,23 @@ def test_weight_bytes_count_tied_tensors_once(tiny_models):
     m = load_model(folder)
     n_params = sum(p.numel() for p in hf.parameters())  # transformers counts the tied tensor once too
     assert m.weight_bytes() == pytest.approx(4 * n_params, rel=0.01)
+
+
+def test_loading_fixes_the_heap_threshold_first_and_hands_free_memory_back_after(tiny_models, monkeypatch):
+    import platform
+
+    from qbench import heap
+    if platform.libc_ver()[0] == "glibc":  # where the C library has both calls, both take effect
+        assert heap.fix_mmap_threshold() and heap.release_free_memory()
+    calls = []
+    monkeypatch.setattr(heap, "fix_mmap_threshold", lambda: calls.append("fix"))
+    monkeypatch.setattr(heap, "release_free_memory", lambda: calls.append("release"))
+    real = torch.empty
+
+    def tracked(*a, **k):  # tensors are read between the two calls
+        if calls and calls[-1] == "fix":
+            calls.append("read")
+        return real(*a, **k)
+    monkeypatch.setattr(torch, "empty", tracked)
+    load_model(tiny_models["llama"][0])
+    assert calls == ["fix", "read", "release"]

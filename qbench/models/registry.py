@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from qbench import heap
 from qbench.models.base import CausalLM
 from qbench.models.config import ModelConfig
 from qbench.models.gpt2 import GPT2Model
@@ -20,23 +21,11 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, tensors=None, f
     """A model from a Hugging Face folder; ``tensors``/``factory`` let an artifact supply its own.
     ``shard(cfg, tensors) -> (cfg, tensors)`` builds one tensor-parallel rank's part instead."""
     cfg = ModelConfig.from_folder(folder)
+    heap.fix_mmap_threshold()  # from here on, the peak RSS of a run does not depend on the order of frees
     tensors = load_state_dict(folder, dtype) if tensors is None else tensors
     if shard is not None:
         cfg, tensors = shard(cfg, tensors)
     model = FAMILIES[cfg.family](cfg, tensors, where=str(folder), factory=factory)
     model.eval()
-    release_free_memory()
+    heap.release_free_memory()
     return model
-
-
-def release_free_memory() -> None:
-    """Hand the C heap's free memory back to the system. Loading reads each tensor into a buffer and
-    converts it (packs panels, unpacks codes); glibc keeps the freed buffers, 77 MiB of resident memory
-    on SmolLM2 w4g64-head after loading (382 -> 305 MiB). No-op where the C library has no malloc_trim."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
