@@ -179,9 +179,9 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
     *hi = _mm256_srli_epi16(b, 4);
 }
 
-#define ROWQ(i) if (MT > i) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K4 + k));  \
-                              a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(wlo, xp));       \
-                              a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(whi, xp)); }
+#define ROWQ(i, kk) if (MT > i) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K4 + (kk))); \
+                                  a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(wlo, xp));   \
+                                  a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(whi, xp)); }
 #define CLOSEQ(i) if (MT > i) {                                                                      \
         __m256i zs = _mm256_set1_epi32(xs16[i * ngroups + gi]);                                      \
         __m256 sx = _mm256_set1_ps(sx16[i * ngroups + gi]);                                          \
@@ -190,6 +190,11 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
         float *yr = acc + i * PANEL;                                                                 \
         _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));       \
         _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
+
+/* One k-pair for a tile's rows. The loop takes four per iteration (one 64-byte line, one prefetch): taken
+ * one at a time, its loop control cost as many instructions as the arithmetic at a few rows. */
+#define PAIR6(kk) { __m256i wlo, whi; unpack_pair(w + (kk) * (PANEL / 2), &wlo, &whi);                   \
+                   ROWQ(0, kk) ROWQ(1, kk) ROWQ(2, kk) ROWQ(3, kk) ROWQ(4, kk) ROWQ(5, kk) }
 
 /* The (MT, 16) fp32 sums of a tile's groups -> its rows of y. */
 static inline void store_acc(const float *acc, int MT, float *y, long N, long nvalid) {
@@ -206,12 +211,12 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
         __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
                 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
         long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
-        for (long k = gi * G; k < k1; k += 2) {
-            __m256i wlo, whi;
-            if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));  /* one 64-byte line per 4 k-pairs */
-            unpack_pair(w + k * (PANEL / 2), &wlo, &whi);
-            ROWQ(0) ROWQ(1) ROWQ(2) ROWQ(3) ROWQ(4) ROWQ(5)
+        long k = gi * G;
+        for (; k + 8 <= k1; k += 8) {
+            PREFETCH_Q(w + k * (PANEL / 2));
+            PAIR6(k) PAIR6(k + 2) PAIR6(k + 4) PAIR6(k + 6)
         }
+        for (; k < k1; k += 2) PAIR6(k)
         __m256 s0, s1;
         __m256i z0, z1;
         group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
@@ -219,11 +224,13 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
     }
     store_acc(acc, MT, y, N, nvalid);
 }
+#undef PAIR6
 
-/* One or two rows (decode) on AVX2: the plain tile spends as many instructions on its loop as on its
- * arithmetic at one row, and two cores are compute-bound there (about 13 GB/s of INT4 weights on an AVX2
- * EPYC, whose memory streams at over 20). Four k-pairs (one 64-byte line) per iteration, one prefetch each,
- * into two accumulator sets added in int32 before the group closes: exact, so bit-identical to tile_i4q. */
+/* One or two rows (decode) on AVX2: too few instructions per k-pair to hide the int32 adds' dependency
+ * chain (four k-pairs an iteration into one accumulator wait on each other), so the k-pairs alternate
+ * between two accumulator sets, added in int32 before the group closes: exact, so bit-identical to
+ * tile_i4q. Before the unrolled loops, one row ran at 13-15 GB/s of INT4 weights on an AVX2 EPYC whose
+ * memory streams at over 20 (now 21-23 from memory). */
 #define ROWQ2(i, a, wl, wh, kk) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K4 + (kk)));  \
                                   a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(wl, xp));          \
                                   a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(wh, xp)); }
