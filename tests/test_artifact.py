@@ -281,13 +281,11 @@ def test_a_mapped_table_is_checked_for_nan_in_every_chunk(tmp_path, at):
     t.view(-1)[at] = float("nan")
     save_file({"w": t, "ok": torch.randn(16, 16)}, str(tmp_path / "model.safetensors"))
     src = LazyTensors(tmp_path, torch.float32)
-    f, info, start = src.where["w"]
     with pytest.raises(QBenchError, match="tensor 'w' holds NaN or infinite values"):
-        src._mapped("w", f, info, start, torch.float32, chunk=256)
+        src._mapped("w", chunk=256)
     with pytest.raises(QBenchError, match="tensor 'w' holds NaN or infinite values"):
         src.get("w", mapped=True)
-    f, info, start = src.where["ok"]
-    assert torch.equal(src._mapped("ok", f, info, start, torch.float32, chunk=256), src.get("ok"))
+    assert torch.equal(src._mapped("ok", chunk=256), src.get("ok"))
 
 
 def test_manifest_that_does_not_match_the_tensors_is_refused(tiny_models, tmp_path):

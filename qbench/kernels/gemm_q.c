@@ -192,7 +192,9 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
         _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
 
 /* One k-pair for a tile's rows. The loop takes four per iteration (one 64-byte line, one prefetch): taken
- * one at a time, its loop control cost as many instructions as the arithmetic at a few rows. */
+ * one at a time, its loop control cost as many instructions as the arithmetic, and at one row (decode) the
+ * kernel ran at 13-15 GB/s of INT4 weights on an AVX2 EPYC whose memory streams at over 20 (21-23 now).
+ * The four pairs' int32 adds into one accumulator are a 4-cycle chain, shorter than the iteration. */
 #define PAIR6(kk) { __m256i wlo, whi; unpack_pair(w + (kk) * (PANEL / 2), &wlo, &whi);                   \
                    ROWQ(0, kk) ROWQ(1, kk) ROWQ(2, kk) ROWQ(3, kk) ROWQ(4, kk) ROWQ(5, kk) }
 
@@ -225,43 +227,6 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
     store_acc(acc, MT, y, N, nvalid);
 }
 #undef PAIR6
-
-/* One or two rows (decode) on AVX2: too few instructions per k-pair to hide the int32 adds' dependency
- * chain (four k-pairs an iteration into one accumulator wait on each other), so the k-pairs alternate
- * between two accumulator sets, added in int32 before the group closes: exact, so bit-identical to
- * tile_i4q. Before the unrolled loops, one row ran at 13-15 GB/s of INT4 weights on an AVX2 EPYC whose
- * memory streams at over 20 (now 21-23 from memory). */
-#define ROWQ2(i, a, wl, wh, kk) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K4 + (kk)));  \
-                                  a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(wl, xp));          \
-                                  a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(wh, xp)); }
-#define PAIRQ(kk, a) { __m256i wl, wh; unpack_pair(w + (kk) * (PANEL / 2), &wl, &wh);                         \
-                       ROWQ2(0, a, wl, wh, kk) if (MT > 1) ROWQ2(1, a, wl, wh, kk) }
-static inline __attribute__((always_inline)) void tile_i4q_small(const int MT, const int16_t *x16,
-                                                                const float *sx16, const int32_t *xs16,
-                                                                const uint8_t *w, const uint16_t *sc,
-                                                                const uint8_t *zp, long K4, long G, long ngroups,
-                                                                float *y, long N, long nvalid) {
-    float acc[6 * PANEL] = {0};
-    for (long gi = 0; gi < ngroups; gi++) {
-        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00;
-        __m256i b00 = a00, b01 = a00, b10 = a00, b11 = a00;
-        long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4, k = gi * G;
-        for (; k + 8 <= k1; k += 8) {
-            PREFETCH_Q(w + k * (PANEL / 2));
-            PAIRQ(k, a) PAIRQ(k + 2, b) PAIRQ(k + 4, a) PAIRQ(k + 6, b)
-        }
-        for (; k < k1; k += 2) PAIRQ(k, a)
-        a00 = _mm256_add_epi32(a00, b00); a01 = _mm256_add_epi32(a01, b01);
-        a10 = _mm256_add_epi32(a10, b10); a11 = _mm256_add_epi32(a11, b11);
-        __m256 s0, s1;
-        __m256i z0, z1;
-        group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
-        CLOSEQ(0) CLOSEQ(1)
-    }
-    store_acc(acc, MT, y, N, nvalid);
-}
-#undef PAIRQ
-#undef ROWQ2
 
 /* The same INT4 math on AVX-512 VNNI: vpdpwssd multiplies and accumulates in one instruction, and
  * a zmm register takes two k-pairs at once. The 32-byte load of pairs j and j + 1 unpacks to
@@ -374,11 +339,6 @@ static AVX512 void panel_i4z(long M, const int32_t *xq, long ldq, const float *s
 static void panel_i4q(long M, const int16_t *x16, const float *sx16, const int32_t *xs16, const uint8_t *w,
                       const uint16_t *sc, const uint8_t *zp, long K4, long G, long ngroups, float *y, long N,
                       long nvalid) {
-    if (M <= 2) {
-        if (M == 2) tile_i4q_small(2, x16, sx16, xs16, w, sc, zp, K4, G, ngroups, y, N, nvalid);
-        else tile_i4q_small(1, x16, sx16, xs16, w, sc, zp, K4, G, ngroups, y, N, nvalid);
-        return;
-    }
     for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
         const int16_t *xm = x16 + m0 * K4;
         const float *sm = sx16 + m0 * ngroups;

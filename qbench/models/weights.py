@@ -97,11 +97,12 @@ class LazyTensors:
                 if name != "__metadata__":
                     self.where[name] = (f, info, start)
 
-    @staticmethod
-    def _mapped(name: str, f: Path, info: dict, start: int, dt: torch.dtype, chunk: int = 1 << 22) -> torch.Tensor:
+    def _mapped(self, name: str, chunk: int = 1 << 22) -> torch.Tensor:
         import numpy as np
 
+        f, info, start = self.where[name]
         b, e = info["data_offsets"]
+        dt = _DTYPES[info["dtype"]]
         if dt.is_floating_point:
             buf = torch.empty(chunk, dtype=torch.uint8)  # chunk is a multiple of every element size
             with open(f, "rb") as fh:
@@ -134,7 +135,7 @@ class LazyTensors:
         dt = _DTYPES[info["dtype"]]
         if mapped and e > b and (not dt.is_floating_point or keep_dtype or dt == self.dtype) \
                 and (start + b) % dt.itemsize == 0:
-            return self._mapped(name, f, info, start, dt)
+            return self._mapped(name)
         buf = torch.empty(e - b, dtype=torch.uint8)
         with open(f, "rb") as fh:
             fh.seek(start + b)
