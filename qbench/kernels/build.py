@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "dequant.c", "attn_kv.c", "layer.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "dequant.c", "attn_kv.c", "layer.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -93,6 +93,7 @@ def load() -> ctypes.CDLL | None:
         "qb_attention_kv": [P, P] + [L] * 7 + [P] * 5 + [L, P, P, L, F, I, I, P, P, P, I, I, L, P, P, P, I],
         "qb_gemm_i8": [P] * 4 + [L] * 3 + [I],
         "qb_gemm_i4": [P] * 5 + [L] * 4 + [I],
+        "qb_gemm_i4a8": [P] * 5 + [L] * 4 + [I],
         "qb_dequant_i8": [P] * 3 + [L] * 2 + [I],
         "qb_dequant_i4": [P] * 4 + [L] * 3 + [I],
         "qb_set_isa": [I],

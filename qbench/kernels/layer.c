@@ -1,5 +1,5 @@
 /* A decode step's decoder layers in one call (Llama family: RMSNorm, fused q/k/v, RoPE, paged attention,
- * o, RMSNorm, fused gate/up, SiLU, down, two residuals), on fp32, INT8 or INT4 weights and an fp32,
+ * o, RMSNorm, fused gate/up, SiLU, down, two residuals), on fp32, INT8 or INT4 weights (W4A16 or W4A8) and an fp32,
  * fp16/bf16 or quantized (KIVI, FP8) KV pool.
  *
  * It calls the same kernels, with the same arguments, in the same order as the layer-by-layer path of
@@ -17,6 +17,8 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
                 int nthreads);
 void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros, float *y, long M,
                 long K, long N, long G, int nthreads);
+void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros, float *y,
+                  long M, long K, long N, long G, int nthreads);
 void qb_rmsnorm(const float *x, const float *w, float *y, long rows, long n, float eps, int nthreads);
 void qb_silu_mul(const float *gu, float *y, long rows, long n, int nthreads);
 void qb_rope(float *x, const int64_t *pos, const float *cos_t, const float *sin_t, long ntok, long nheads,
@@ -30,7 +32,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                      int kmode, int kbits, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, int vmode,
                      int vbits, long vg, const uint8_t *vc, const uint16_t *vs, const uint16_t *vm, int nthreads);
 
-enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2 };
+enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_I4A8 = 3 };
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2, POOL_QUANT = 3 };
 enum { STAGE_WRITE = 1, STAGE_REST = 2 };  /* up to the KV write; from attention on */
 
@@ -78,8 +80,8 @@ static void linear(const qb_lin *l, const float *x, float *y, long M, int nt) {
         return;
     }
     if (l->kind == LIN_I8) qb_gemm_i8(x, (const int8_t *)l->w, (const float *)l->s, y, M, l->K, l->N, nt);
-    else qb_gemm_i4(x, (const uint8_t *)l->w, (const uint16_t *)l->s, (const uint8_t *)l->z, y, M, l->K, l->N,
-                    l->G, nt);
+    else (l->kind == LIN_I4A8 ? qb_gemm_i4a8 : qb_gemm_i4)(x, (const uint8_t *)l->w, (const uint16_t *)l->s,
+                                                            (const uint8_t *)l->z, y, M, l->K, l->N, l->G, nt);
     if (l->bias)  /* QuantLinear adds it after the product: y += bias */
         for (long m = 0; m < M; m++)
             for (long n = 0; n < l->N; n++) y[m * l->N + n] += l->bias[n];

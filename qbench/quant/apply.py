@@ -17,7 +17,7 @@ from qbench.layers.attention import AttnMetadata, build_mask
 from qbench.layers.embedding import Embedding
 from qbench.models.base import CausalLM
 from qbench.quant import awq, gptq
-from qbench.quant.primitives import QTensor, dequantize, quantize_int4, quantize_int8
+from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, quantize_int4, quantize_int8
 from qbench.quant.qembedding import Int8Embedding
 from qbench.quant.qlinear import make_qlinear
 from qbench.quant.recipe import Recipe
@@ -67,15 +67,18 @@ def rtn(W: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> QTens
 def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None) -> dict:
     dq = dequantize(q)
     rec = {"module": path, "shape": list(W.shape), "weight_rel_error": ((dq - W).norm() / W.norm()).item()}
-    if X is not None:
+    if X is not None:  # against the fp layer: with int8 activations, their rounding counts too
         ref = X @ W.t()
-        rec["output_rel_error"] = ((X @ dq.t() - ref).norm() / ref.norm()).item()
+        Xq = fake_quantize_activations(X) if q.activations == "int8" else X
+        rec["output_rel_error"] = ((Xq @ dq.t() - ref).norm() / ref.norm()).item()
     return rec
 
 
 def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None,
-             res: QuantResult) -> None:
+             res: QuantResult, activations: str = "fp32") -> None:
     """Swap the linear at ``path`` for its quantized module and record its error."""
+    if activations == "int8" and q.bits == 4:  # INT8 weights (a head under its own scheme) keep fp32 inputs
+        q.activations = "int8"
     res.qtensors[path] = q
     res.layers.append(_record(path, W, q, X))
     _set(model, path, make_qlinear(q, _get(model, path).bias))
@@ -89,7 +92,7 @@ def _head_scheme(model: CausalLM, recipe: Recipe) -> tuple | None:
 def _head_rtn(model: CausalLM, recipe: Recipe, res: QuantResult) -> None:
     """The output head, round to nearest under its own scheme (no calibration inputs are captured for it)."""
     W = model.lm_head.weight.float()
-    _replace(model, "lm_head", rtn(W, *recipe.weights.head_scheme()), W, None, res)
+    _replace(model, "lm_head", rtn(W, *recipe.weights.head_scheme()), W, None, res, recipe.weights.activations)
 
 
 def quantize_embedding(model: CausalLM, recipe: Recipe, res: QuantResult) -> None:
@@ -154,7 +157,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                 _head_rtn(model, recipe, res)
                 continue
             W = _get(model, path).weight.float()
-            _replace(model, path, rtn(W, ws.bits, ws.group_size, ws.symmetric), W, None, res)
+            _replace(model, path, rtn(W, ws.bits, ws.group_size, ws.symmetric), W, None, res, ws.activations)
         res.seconds = time.perf_counter() - t0
         return res
     if calib is None:
@@ -177,7 +180,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                                            recipe.gptq.block_size, recipe.gptq.act_order)
                 else:
                     q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
-                _replace(model, name, q, W, inputs[name[len(prefix):]], res)
+                _replace(model, name, q, W, inputs[name[len(prefix):]], res, ws.activations)
             x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method})")
         if "lm_head" in todo:

@@ -28,7 +28,7 @@ from qbench.models.base import CausalLM
 from qbench.models.config import ModelConfig
 from qbench.models.weights import LazyTensors, Weights, read_header
 from qbench.paths import sha256_file
-from qbench.quant.primitives import QTensor, pack_int4, padded_width, storage_bytes, unpack_int4
+from qbench.quant.primitives import ACTIVATIONS, QTensor, pack_int4, padded_width, storage_bytes, unpack_int4
 from qbench.quant.qlinear import make_qlinear
 
 FORMAT = "qbench-quant/1"
@@ -47,7 +47,7 @@ def split_rows(q: QTensor, parts: list[tuple[str, int]]) -> dict[str, QTensor]:
     for name, n in parts:
         rows = slice(r, r + n)
         out[name] = QTensor(q.bits, q.codes[rows], q.scale[rows], None if q.zero is None else q.zero[rows],
-                            q.group_size, (n, q.shape[1]))
+                            q.group_size, (n, q.shape[1]), q.activations)
         r += n
     return out
 
@@ -62,7 +62,10 @@ def qtensor_tensors(name: str, q: QTensor) -> dict[str, torch.Tensor]:
 
 def tensor_scheme(q: QTensor) -> dict:
     """The integer scheme one stored tensor uses (recorded per tensor: a head may differ from the linears)."""
-    return {"bits": q.bits, "group_size": q.group_size, "symmetric": q.symmetric}
+    scheme = {"bits": q.bits, "group_size": q.group_size, "symmetric": q.symmetric}
+    if q.activations != "fp32":  # recorded only when set: weight-only artifacts stay byte for byte as before
+        scheme["activations"] = q.activations
+    return scheme
 
 
 def _embedding_tensors(model: CausalLM, emb, tensors: dict, skip: set) -> dict:
@@ -226,9 +229,14 @@ class QuantFactory:
                                   f"{shape}, the tensors have {None if t is None else tuple(t.shape)}; the manifest "
                                   f"does not match the weights: re-create the artifact")
             got[suffix] = t
+        acts = scheme.get("activations", "fp32")
+        if acts not in ACTIVATIONS or (acts == "int8" and bits != 4):
+            raise QBenchError(f"{self.where}: {MANIFEST} gives {key} activations {acts!r} with {bits}-bit weights, "
+                              f"which qbench never writes (int8 activations go with INT4 weights only); the "
+                              f"manifest was edited or damaged: re-create the artifact")
         codes = unpack_int4(got[".qweight"]) if bits == 4 else got[".qweight"].to(torch.int8)
         return QTensor(bits, codes, got[".scales"].half(), got[".zeros"].to(torch.uint8) if not sym else None,
-                       group if bits == 4 else None, (n, k))
+                       group if bits == 4 else None, (n, k), acts)
 
     def __call__(self, w: Weights, names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
         keys = [self._key(w, n) for n in names]
@@ -238,12 +246,12 @@ class QuantFactory:
         if any(k is None for k in keys):
             raise QBenchError(f"{self.where}: {names} are fused at run time but only some are quantized")
         qs = [self.qtensor(w, key, n, k) for key, (n, k) in zip(keys, shapes)]
-        if len({(x.bits, x.group_size, x.symmetric) for x in qs}) > 1:
+        if len({(x.bits, x.group_size, x.symmetric, x.activations) for x in qs}) > 1:
             raise QBenchError(f"{self.where}: {names} are fused at run time but stored under different schemes")
         q = qs[0] if len(qs) == 1 else QTensor(
             qs[0].bits, torch.cat([x.codes for x in qs]), torch.cat([x.scale for x in qs]),
             None if qs[0].zero is None else torch.cat([x.zero for x in qs]), qs[0].group_size,
-            (sum(x.shape[0] for x in qs), qs[0].shape[1]))
+            (sum(x.shape[0] for x in qs), qs[0].shape[1]), qs[0].activations)
         biases = [w.maybe(n + ".bias") for n in names]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else torch.zeros(s[0]) for b, s in zip(biases, shapes)])

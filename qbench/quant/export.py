@@ -92,6 +92,11 @@ def run_export(artifact: Path, fmt: str, out: Path, force: bool = False) -> Path
         raise QBenchError(f"{artifact}: its embedding table is INT8, which compressed-tensors' pack-quantized "
                           f"format (linear layers only) cannot hold; export a recipe with embedding fp32, fp16 or "
                           f"bf16, or use --format native")
+    if any((info.get("scheme") or {}).get("activations", "fp32") != "fp32" for info in manifest["quantized"].values()):
+        raise QBenchError(f"{artifact}: its INT4 linears take INT8 activations (W4A8), which this export would not "
+                          f"reproduce: compressed-tensors rounds dynamic per-token INT8 on a grid of absmax / 127.5 "
+                          f"(qbench: absmax / 127); export the weight-only recipe with the same codes "
+                          f"(w4g64-head for w4a8g64), or use --format native")
     src = LazyTensors(artifact, torch.float32)  # an fp16 / bf16 table is written as float32, as transformers loads it
     factory = QuantFactory(scheme, manifest["quantized"], str(artifact))
     tensors: dict[str, torch.Tensor] = {}

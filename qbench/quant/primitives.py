@@ -5,6 +5,8 @@ Conventions (the seeds):
 - INT4: groups of G along the input dimension (G in 32, 64, 128). Symmetric: scale = absmax / 7,
   codes clipped to [-8, 7]. Asymmetric: min/max with an integer zero point, codes in [0, 15].
 - Scales are FP16. An input width that is not a multiple of G pads the last group with zeros.
+- Activations (a recipe's ``activations``): ``fp32``, or ``int8`` per token, dynamic and symmetric
+  (scale = absmax / 127, round to nearest even), for INT4 weights only (W4A8).
 - Canonical INT4 packing: two nibbles per byte along the input dimension, even index in the
   low nibble, stored as unsigned codes (symmetric codes offset by 8, as compressed-tensors does).
 """
@@ -28,6 +30,7 @@ class QTensor:
     zero: torch.Tensor | None  # uint8 (N, ngroups) for asymmetric INT4, else None
     group_size: int | None  # None for per-channel INT8
     shape: tuple[int, int]  # (N, K) before padding
+    activations: str = "fp32"  # or "int8": the inputs are quantized per token before they meet the codes
 
     @property
     def symmetric(self) -> bool:
@@ -85,6 +88,27 @@ def dequantize(q: QTensor) -> torch.Tensor:
     codes = q.codes.float().view(N, -1, q.group_size)
     zero = 8.0 if q.zero is None else q.zero.float()[..., None]
     return ((codes - zero) * q.scale.float()[..., None]).view(N, -1)[:, :K]
+
+
+ACTIVATIONS = ("fp32", "int8")
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) -> int8 codes (..., K) and fp32 scales (..., 1): per token (row), symmetric, dynamic.
+
+    The native W4A8 kernel (qbench/kernels/gemm_a8.c) computes the same fp32 scale and reciprocal, so its
+    codes are these, bit for bit."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    codes = torch.round(x * (1.0 / scale)).clamp(-127, 127)
+    return codes.to(torch.int8), scale
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What a W4A8 linear multiplies its weights by: x rounded to its int8 grid, in fp32."""
+    codes, scale = quantize_activations(x)
+    return codes.float() * scale
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> torch.Tensor:

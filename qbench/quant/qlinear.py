@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from qbench.kernels import build as kernels
 from qbench.kernels.ops import dequant_i4, dequant_i8
 from qbench.layers.linear import dense_by_slabs, takes_dense
-from qbench.quant.primitives import QTensor, dequantize, padded_width
+from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, padded_width
 
 PANEL = 16
 # From ``linear.DENSE_ROWS`` rows per sequence on, the native path dequantizes the weight once per call and
@@ -53,6 +53,10 @@ class QuantLinear(torch.nn.Module):
         if self.impl == "native" and not kernels.available():
             self.impl = "aten"
         self.bits, self.group_size = q.bits, q.group_size
+        self.activations = q.activations  # "int8": every path multiplies per-token int8 activations (W4A8)
+        if self.activations != "fp32" and (q.bits != 4 or self.activations != "int8"):
+            raise ValueError(f"{self.activations} activations with {q.bits}-bit weights are not supported "
+                             f"(int8 activations need INT4 weights)")
         self._prepare()
         if self.impl != "reference":
             self.q = None  # the kernel layout is all that runs; the artifact keeps the canonical codes
@@ -70,8 +74,12 @@ class QuantLinear(torch.nn.Module):
     def _prepare(self) -> None:
         raise NotImplementedError
 
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations as this layer's weights meet them: x, or x on its per-token int8 grid."""
+        return fake_quantize_activations(x) if self.activations == "int8" else x
+
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize(self.q), self.bias)
+        return F.linear(self._act(x), dequantize(self.q), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "reference":
@@ -163,17 +171,18 @@ class Int4Linear(QuantLinear):
 
     def _matmul(self, x2: torch.Tensor, dense: bool) -> torch.Tensor:
         if self.impl.startswith("aten"):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._aten_input(x2), self.aten_packed, self.group_size,
-                                                           self.aten_sz).float()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(self._aten_input(self._act(x2)), self.aten_packed,
+                                                           self.group_size, self.aten_sz).float()
             return y[:, : self.out_features].contiguous() if y.shape[1] != self.out_features else y
-        if dense:
-            return dense_by_slabs(x2, self.out_features, lambda p0, p1, c: dequant_i4(
+        if dense:  # prefill: the int8 grid in fp32 against the dequantized weight, the kernel's numbers
+            return dense_by_slabs(self._act(x2), self.out_features, lambda p0, p1, c: dequant_i4(
                 self.panels[p0:p1], self.scales16[p0:p1], self.zeros8[p0:p1], self.in_features, c,
                 self.group_size), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        kernels.load().qb_gemm_i4(x2.data_ptr(), *self._kernel_args("panels", "scales16", "zeros8"), y.data_ptr(),
-                                  x2.shape[0], self.in_features, self.out_features, self.group_size,
-                                  torch.get_num_threads())
+        lib = kernels.load()
+        gemm = lib.qb_gemm_i4a8 if self.activations == "int8" else lib.qb_gemm_i4
+        gemm(x2.data_ptr(), *self._kernel_args("panels", "scales16", "zeros8"), y.data_ptr(), x2.shape[0],
+             self.in_features, self.out_features, self.group_size, torch.get_num_threads())
         return y
 
 

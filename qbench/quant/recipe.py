@@ -12,7 +12,7 @@ from pathlib import Path
 from qbench.errors import QBenchError
 from qbench.inputs import check_fields
 from qbench.layers.kvquant import KVScheme
-from qbench.quant.primitives import GROUP_SIZES
+from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES
 from qbench.yamlfile import read_mapping
 
 METHODS = ("rtn", "awq", "gptq")
@@ -69,9 +69,16 @@ class WeightScheme:
     lm_head: bool | HeadScheme = False  # true: the linears' scheme; a mapping: its own (INT8, or INT4 g)
     embedding: str = "fp32"  # how the token embedding table is stored: one of EMBEDDING_SCHEMES
     skip: tuple[str, ...] = ()  # module-name substrings kept in full precision
+    activations: str = "fp32"  # int8: per-token int8 inputs for every INT4 linear, the head too (W4A8)
 
     def validate(self, where: str) -> None:
         _check_int_scheme(where, "weights", self.bits, self.group_size, self.symmetric)
+        if self.activations not in ACTIVATIONS:
+            raise RecipeError(f"{where}: weights.activations: {self.activations!r} is not supported (supported: "
+                              f"{', '.join(ACTIVATIONS)})")
+        if self.activations == "int8" and self.bits != 4:
+            raise RecipeError(f"{where}: weights.activations: int8 needs bits: 4 (W4A8); INT8 weights take fp32 "
+                              f"activations")
         if self.method not in METHODS:
             raise RecipeError(f"{where}: weights.method: {self.method!r} is not one of {', '.join(METHODS)}")
         if isinstance(self.lm_head, HeadScheme):

@@ -1,0 +1,160 @@
+/* INT4 group weights against INT8 activations (W4A8, a recipe's `activations: int8`).
+ *
+ * Each row of x is quantized per token, dynamically and symmetrically: s = absmax / 127, x8 = round(x / s)
+ * (to nearest even, as torch.round), so |x8| <= 127. The weights stay in qb_gemm_i4's panel layout, so a
+ * W4A8 linear holds the same bytes as a W4A16 one. Per group:
+ *   y += s_w * s * (sum_k x8_k u_k - z * sum_k x8_k),
+ * with the integer sums exact (at most 15 * 127 * 128 per group), the same closing as qb_gemm_i4.
+ *
+ * Why it is faster than the int16 path at several rows: _mm256_maddubs_epi16 multiplies 32 unsigned codes by
+ * 32 signed activations per instruction, twice _mm256_madd_epi16's 16, and the compute-bound batched decode
+ * is limited by those multiplies. Its products land in int16 lanes, in pairs (at most 2 * 15 * 127 = 3,810),
+ * so eight of them (32 k) add in int16 without overflow before one _mm256_madd_epi16 by ones widens them
+ * to int32. For that widening to sum one column's k, a 32-bit lane must hold one column's four k: the
+ * 32 bytes of two k-pairs (qb_gemm_i4's layout) are reordered in registers by a qword permute and a byte
+ * shuffle, an in-register cost shared by all rows of a tile.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "panel.h"
+
+#ifndef A8_ROWS
+#define A8_ROWS 4  /* rows per tile (see WIDEN) */
+#endif
+
+/* Rows of tile t when M rows are split into ceil(M / 4) tiles of nearly equal size. */
+static inline long tile_rows4(long M, long t) {
+    long n = (M + A8_ROWS - 1) / A8_ROWS, base = M / n, extra = M % n;
+    return base + (t < extra ? 1 : 0);
+}
+
+/* Two k-pairs (k .. k + 3) of a panel -> per 32-bit lane c: column c's four codes (lo) and column c + 8's (hi). */
+static inline __attribute__((always_inline)) void unpack_quad(const uint8_t *w, __m256i shuf, __m256i *lo,
+                                                              __m256i *hi) {
+    /* bytes 0-15: pair j (2c + t: columns c | c + 8 << 4, k = 2j + t); bytes 16-31: pair j + 1.
+     * qword permute: lane 0 = columns 0-3 of both pairs, lane 1 = columns 4-7; then the shuffle puts
+     * pair j's two bytes of a column beside pair j + 1's. */
+    __m256i b = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i *)w), 0xD8);
+    b = _mm256_shuffle_epi8(b, shuf);
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    *lo = _mm256_and_si256(b, m);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+
+#define QUAD(kk) { __m256i wlo, whi; unpack_quad(w + (kk) * (PANEL / 2), shuf, &wlo, &whi);                 \
+                   ROW8(0, kk) ROW8(1, kk) ROW8(2, kk) ROW8(3, kk) }
+#define ROW8(i, kk) if (MT > i) { __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x8 + i * K4 + (kk)));    \
+                                  h##i##0 = _mm256_add_epi16(h##i##0, _mm256_maddubs_epi16(wlo, xb));       \
+                                  h##i##1 = _mm256_add_epi16(h##i##1, _mm256_maddubs_epi16(whi, xb)); }
+/* int16 block sums -> the group's int32 sums, kept in memory: with them, a tile's accumulators would not fit in
+ * the 16 ymm registers. So would six rows' int16 ones (12, beside the codes, an activation, the mask and the
+ * shuffle): GCC kept those on the stack, a load and a store per add, so a tile takes at most four rows. */
+#define WIDEN(i) if (MT > i) {                                                                             \
+        __m256i *g = (__m256i *)(g32 + i * PANEL);                                                         \
+        g[0] = _mm256_add_epi32(g[0], _mm256_madd_epi16(h##i##0, ones));                                   \
+        g[1] = _mm256_add_epi32(g[1], _mm256_madd_epi16(h##i##1, ones)); }
+#define CLOSE8(i) if (MT > i) {                                                                            \
+        const __m256i *g = (const __m256i *)(g32 + i * PANEL);                                             \
+        __m256i zs = _mm256_set1_epi32(xs[i * ngroups + gi]);                                              \
+        __m256 sx = _mm256_set1_ps(sx8[i]);                                                                \
+        __m256 d0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(g[0], _mm256_mullo_epi32(z0, zs)));                \
+        __m256 d1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(g[1], _mm256_mullo_epi32(z1, zs)));                \
+        float *yr = acc + i * PANEL;                                                                       \
+        _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));             \
+        _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
+
+static inline __attribute__((always_inline)) void tile_i4a8(const int MT, const int8_t *x8, const float *sx8,
+                                                           const int32_t *xs, const uint8_t *w, const uint16_t *sc,
+                                                           const uint8_t *zp, long K4, long G, long ngroups,
+                                                           float *y, long N, long nvalid) {
+    const __m256i shuf = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
+                                          0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    const __m256i ones = _mm256_set1_epi16(1);
+    float acc[A8_ROWS * PANEL] = {0};
+    int32_t g32[A8_ROWS * PANEL] __attribute__((aligned(32)));
+    for (long gi = 0; gi < ngroups; gi++) {
+        for (int j = 0; j < MT * PANEL; j++) g32[j] = 0;
+        long k = gi * G, k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
+        while (k < k1) {
+            long kb = k + 32 < k1 ? k + 32 : k1;  /* eight k-quads at most: the int16 sums cannot overflow */
+            __m256i h00 = _mm256_setzero_si256(), h01 = h00, h10 = h00, h11 = h00, h20 = h00, h21 = h00,
+                    h30 = h00, h31 = h00;
+            for (; k < kb; k += 4) {  /* one quad an iteration: two would not fit the registers */
+                if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));
+                QUAD(k)
+            }
+            WIDEN(0) WIDEN(1) WIDEN(2) WIDEN(3)
+        }
+        __m256 s0, s1;
+        __m256i z0, z1;
+        group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
+        CLOSE8(0) CLOSE8(1) CLOSE8(2) CLOSE8(3)
+    }
+    for (int i = 0; i < MT; i++)
+        store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
+}
+#undef QUAD
+#undef ROW8
+#undef WIDEN
+#undef CLOSE8
+
+/* One row of x (K values) -> int8 codes (zero-padded to K4), its scale, and its code sum per weight group.
+ * The scale and the rounding are those of qbench.quant.primitives.quantize_activations: s = absmax / 127 in
+ * fp32, codes = round-to-nearest-even(x * (1 / s)); _mm256_cvtps_epi32 rounds so under the default MXCSR. */
+static void row_to_i8(const float *x, long K, long K4, long G, int8_t *q, float *scale, int32_t *sums) {
+    const __m256 signmask = _mm256_set1_ps(-0.0f);
+    __m256 vmax = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(signmask, _mm256_loadu_ps(x + k)));
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, vmax);
+    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+    for (long j = k; j < K; j++) { float a = x[j] < 0 ? -x[j] : x[j]; amax = a > amax ? a : amax; }
+    float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
+    __m256 vinv = _mm256_set1_ps(inv);
+    for (k = 0; k + 8 <= K; k += 8) {
+        __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+        __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+        _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(w16, w16));
+    }
+    for (; k < K; k++) q[k] = (int8_t)_mm_cvtss_si32(_mm_set_ss(x[k] * inv));
+    for (; k < K4; k++) q[k] = 0;
+    for (long g0 = 0, gi = 0; g0 < K; g0 += G, gi++) {
+        int32_t total = 0;
+        for (long j = g0; j < g0 + G && j < K; j++) total += q[j];
+        sums[gi] = total;
+    }
+    *scale = s;
+}
+
+/* x (M, K) fp32; the weight in qb_gemm_i4's layout; y (M, N). */
+void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros, float *y,
+                  long M, long K, long N, long G, int nthreads) {
+    long npanels = (N + PANEL - 1) / PANEL, ngroups = (K + G - 1) / G, K4 = (K + 3) & ~3L;
+    int8_t *x8 = (int8_t *)malloc(M * K4 + 64);
+    float *sx8 = (float *)malloc(sizeof(float) * M + 16);
+    int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * M * ngroups + 16);
+    for (long m = 0; m < M; m++) row_to_i8(x + m * K, K, K4, G, x8 + m * K4, sx8 + m, xs + m * ngroups);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long p = 0; p < npanels; p++) {
+        i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows4(M, t++)) {
+#define TILE(mt) tile_i4a8(mt, x8 + m0 * K4, sx8 + m0, xs + m0 * ngroups, pn.w, pn.sc, pn.zp, K4, G, ngroups,  \
+                         y + m0 * N + pn.n0, N, pn.nvalid)
+            switch (tile_rows4(M, t)) {
+#if A8_ROWS >= 4
+                case 4: TILE(4); break;
+#endif
+                case 3: TILE(3); break;
+                case 2: TILE(2); break;
+                default: TILE(1); break;
+            }
+#undef TILE
+        }
+    }
+    free(x8);
+    free(sx8);
+    free(xs);
+}

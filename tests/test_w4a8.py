@@ -1,0 +1,149 @@
+"""W4A8 (a recipe's ``activations: int8``): every path against the integer definition in float64, the native
+kernel's activation codes equal torch's, the recipe and the artifact record it, and the engine runs it."""
+
+import json
+
+import pytest
+import torch
+
+from qbench.engine.engine import Engine
+from qbench.engine.sampling import SamplingParams
+from qbench.errors import QBenchError
+from qbench.kernels import build
+from qbench.layers.attention import AttnMetadata
+from qbench.quant.artifact import load_artifact
+from qbench.quant.primitives import dequantize, fake_quantize_activations, quantize_activations, quantize_int4, \
+    quantize_int8
+from qbench.quant.qlinear import QuantLinear, make_qlinear
+from qbench.quant.quantize import run_quantize
+from qbench.quant.recipe import RecipeError, load_recipe
+
+IMPLS = ["native", "aten", "aten-bf16", "reference"]
+native = pytest.mark.skipif(not build.available(), reason="native kernels not built here")
+
+
+def test_activation_codes_are_per_token_symmetric_int8():
+    x = torch.tensor([[0.0, 1.0, -2.54, 2.54], [0.0, 0.0, 0.0, 0.0], [3.0, -1.5, 0.75, 1e-9]])
+    codes, scale = quantize_activations(x)
+    assert codes.dtype == torch.int8 and scale.shape == (3, 1)
+    assert torch.allclose(scale[:, 0], torch.tensor([2.54 / 127, 1.0, 3.0 / 127]))
+    assert codes[0].tolist() == [0, 50, -127, 127] and codes[1].tolist() == [0, 0, 0, 0]
+    assert codes[2].tolist() == [127, -64, 32, 0]  # -63.5 and 31.75 -> nearest, ties to even
+    assert torch.equal(fake_quantize_activations(x), codes.float() * scale)
+
+
+def _w4a8(N, K, group, sym, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = quantize_int4(torch.randn(N, K, generator=g), group, sym)
+    q.activations = "int8"
+    return q, g
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scheme", ["g32-sym", "g64-asym", "g64-sym", "g128-asym"])
+@pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536), (24, 77), (16, 130)])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 259])  # 259: past DENSE_ROWS, the dense prefill path
+def test_every_path_matches_the_integer_definition(impl, scheme, N, K, M):
+    if impl == "native" and not build.available():
+        pytest.skip("native kernels not built here")
+    group, sym = int(scheme[1:].split("-")[0]), scheme.endswith("-sym")
+    q, g = _w4a8(N, K, group, sym, N + K + M)
+    b = torch.randn(N, generator=g)
+    x = torch.randn(M, K, generator=g) * torch.linspace(0.1, 8, K)  # channels of very different size
+    x[:, 3] = 40.0  # an outlier channel sets every token's scale
+    codes, scale = quantize_activations(x)
+    ref = (codes.double() * scale.double()) @ dequantize(q).double().t() + b.double()
+    got = make_qlinear(q, b, impl)(x).double()
+    # fp32 accumulation only: a code one step off moves an output by scale * |w| (~0.3 here), far past this
+    tol = 2e-6 * K ** 0.5 * ref.abs().max() + 1e-5
+    if impl == "aten-bf16":  # bf16 activations and scales
+        tol += 2 ** -7 * (dequantize(q).double().abs() @ x.double().abs().t()).max()
+    assert (got - ref).abs().max() <= tol
+
+
+@native
+@pytest.mark.parametrize("group,sym", [(32, True), (64, False), (128, True)])
+def test_a_rows_result_does_not_depend_on_its_batch(group, sym):
+    # tiles of one to four rows close every row's groups with the same float operations
+    q, g = _w4a8(40, 300, group, sym, group)
+    lin = make_qlinear(q, None, "native")
+    x = torch.randn(13, 300, generator=g)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
+    for M in range(2, 14):
+        assert torch.equal(lin(x[:M]), alone[:M])
+
+
+@native
+def test_the_int16_sums_cannot_overflow_at_the_extremes():
+    # every code 15 against every activation +-127 (eight k-quads per int16 sum: 8 * 2 * 15 * 127 = 30,480)
+    K, N = 256, 16
+    q = quantize_int4(torch.ones(N, K), 128, False)  # asymmetric over [0, 1]: codes 15, zero point 0
+    assert int(q.codes.min()) == 15 and int(q.zero.max()) == 0
+    q.activations = "int8"
+    lin = make_qlinear(q, None, "native")
+    for sign in (1.0, -1.0):
+        x = torch.full((3, K), sign)
+        ref = fake_quantize_activations(x).double() @ dequantize(q).double().t()
+        assert torch.allclose(lin(x).double(), ref, rtol=1e-6)
+
+
+def test_int8_activations_need_int4_weights(tmp_path):
+    with pytest.raises(ValueError, match="need INT4 weights"):
+        q = quantize_int8(torch.randn(16, 32))
+        q.activations = "int8"
+        make_qlinear(q, None, "reference")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: b\nweights: {bits: 8, group_size: null, activations: int8}\n")
+    with pytest.raises(RecipeError, match=r"bad.yaml: weights.activations: int8 needs bits: 4"):
+        load_recipe(str(bad))
+    bad.write_text("name: b\nweights: {bits: 4, group_size: 64, activations: int4}\n")
+    with pytest.raises(RecipeError, match=r"bad.yaml: weights.activations: 'int4' is not supported"):
+        load_recipe(str(bad))
+
+
+def _logits(model, ids):
+    return model(ids, AttnMetadata(positions=torch.arange(ids.shape[1]).expand(ids.shape[0], -1)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_the_artifact_records_int8_activations_and_loads_them(tiny_models, tmp_path, family, monkeypatch):
+    folder, _ = tiny_models[family]
+    out = tmp_path / "art"
+    manifest = run_quantize(str(folder), "w4a8g64", out, log=lambda s: None)
+    schemes = {v["scheme"].get("activations") for v in manifest["quantized"].values()}
+    assert schemes == {"int8"}  # the head (INT4 here) too
+    model, _ = load_artifact(out)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears and all(m.activations == "int8" for m in linears)
+    ids = torch.randint(2, 128, (2, 19), generator=torch.Generator().manual_seed(3))
+    fast = _logits(model, ids)
+    monkeypatch.setenv("QBENCH_QLINEAR", "reference")
+    slow = _logits(load_artifact(out)[0], ids)
+    assert (fast - slow).abs().max() < 1e-3
+    # the weight-only artifact of the same weights: same codes, different numbers
+    run_quantize(str(folder), "w4g64-head", tmp_path / "wo", log=lambda s: None)
+    assert not torch.equal(_logits(load_artifact(tmp_path / "wo")[0], ids), slow)
+
+
+def test_an_edited_activation_record_is_refused(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    out = tmp_path / "art"
+    run_quantize(str(folder), "w4a8g64", out, log=lambda s: None)
+    m = json.loads((out / "qbench.json").read_text())
+    m["quantized"]["model.layers.0.mlp.up_proj"]["scheme"]["activations"] = "fp32"
+    (out / "qbench.json").write_text(json.dumps(m))
+    with pytest.raises(QBenchError, match="record different per-tensor schemes"):
+        load_artifact(out)
+
+
+def test_batched_equals_sequential(tiny_models):
+    folder, _ = tiny_models["qwen2"]
+    from qbench.models.registry import load_model
+    from qbench.quant.apply import quantize_model
+    model = load_model(folder)
+    quantize_model(model, load_recipe("w4a8g64"), None, log=lambda *a: None)
+    prompts = [[5, 6, 7], list(range(10, 30)), list(range(40, 49))]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    together = [s.output_ids for s in Engine(model, block_size=4).generate(prompts, params)]
+    alone = [Engine(model, block_size=4).generate([p], params)[0].output_ids for p in prompts]
+    assert together == alone
