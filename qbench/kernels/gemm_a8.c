@@ -20,9 +20,7 @@
 
 #include "panel.h"
 
-#ifndef A8_ROWS
-#define A8_ROWS 4  /* rows per tile (see WIDEN) */
-#endif
+#define A8_ROWS 4  /* rows per tile (see WIDEN_MEM) */
 
 /* Rows of tile t when M rows are split into ceil(M / 4) tiles of nearly equal size. */
 static inline long tile_rows4(long M, long t) {
@@ -48,22 +46,26 @@ static inline __attribute__((always_inline)) void unpack_quad(const uint8_t *w, 
 #define ROW8(i, kk) if (MT > i) { __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x8 + i * K4 + (kk)));    \
                                   h##i##0 = _mm256_add_epi16(h##i##0, _mm256_maddubs_epi16(wlo, xb));       \
                                   h##i##1 = _mm256_add_epi16(h##i##1, _mm256_maddubs_epi16(whi, xb)); }
-/* int16 block sums -> the group's int32 sums, kept in memory: with them, a tile's accumulators would not fit in
- * the 16 ymm registers. So would six rows' int16 ones (12, beside the codes, an activation, the mask and the
- * shuffle): GCC kept those on the stack, a load and a store per add, so a tile takes at most four rows. */
-#define WIDEN(i) if (MT > i) {                                                                             \
+/* int16 block sums -> the group's int32 sums. Up to two rows they stay in registers; with more, in memory: beside
+ * them, a tile's accumulators would not fit the 16 ymm registers. So would six rows' int16 ones (12, beside the
+ * codes, an activation, the mask and the shuffle): GCC kept those on the stack, a load and a store per add, so
+ * a tile takes at most four rows. */
+#define WIDEN_REG(i) if (MT > i) { a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(h##i##0, ones));      \
+                                   a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(h##i##1, ones)); }
+#define WIDEN_MEM(i) if (MT > i) {                                                                         \
         __m256i *g = (__m256i *)(g32 + i * PANEL);                                                         \
         g[0] = _mm256_add_epi32(g[0], _mm256_madd_epi16(h##i##0, ones));                                   \
         g[1] = _mm256_add_epi32(g[1], _mm256_madd_epi16(h##i##1, ones)); }
-#define CLOSE8(i) if (MT > i) {                                                                            \
-        const __m256i *g = (const __m256i *)(g32 + i * PANEL);                                             \
+#define CLOSE8(i, d0i, d1i) if (MT > i) {                                                                  \
         __m256i zs = _mm256_set1_epi32(xs[i * ngroups + gi]);                                              \
         __m256 sx = _mm256_set1_ps(sx8[i]);                                                                \
-        __m256 d0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(g[0], _mm256_mullo_epi32(z0, zs)));                \
-        __m256 d1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(g[1], _mm256_mullo_epi32(z1, zs)));                \
+        __m256 d0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(d0i, _mm256_mullo_epi32(z0, zs)));                 \
+        __m256 d1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(d1i, _mm256_mullo_epi32(z1, zs)));                 \
         float *yr = acc + i * PANEL;                                                                       \
         _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));             \
         _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
+#define CLOSE_MEM(i) CLOSE8(i, _mm256_load_si256((const __m256i *)(g32 + i * PANEL)),                       \
+                            _mm256_load_si256((const __m256i *)(g32 + i * PANEL + 8)))
 
 static inline __attribute__((always_inline)) void tile_i4a8(const int MT, const int8_t *x8, const float *sx8,
                                                            const int32_t *xs, const uint8_t *w, const uint16_t *sc,
@@ -75,30 +77,41 @@ static inline __attribute__((always_inline)) void tile_i4a8(const int MT, const 
     float acc[A8_ROWS * PANEL] = {0};
     int32_t g32[A8_ROWS * PANEL] __attribute__((aligned(32)));
     for (long gi = 0; gi < ngroups; gi++) {
-        for (int j = 0; j < MT * PANEL; j++) g32[j] = 0;
+        __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00;  /* one or two rows */
+        if (MT > 2)
+            for (int j = 0; j < MT * PANEL; j++) g32[j] = 0;
         long k = gi * G, k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
         while (k < k1) {
             long kb = k + 32 < k1 ? k + 32 : k1;  /* eight k-quads at most: the int16 sums cannot overflow */
             __m256i h00 = _mm256_setzero_si256(), h01 = h00, h10 = h00, h11 = h00, h20 = h00, h21 = h00,
                     h30 = h00, h31 = h00;
-            for (; k < kb; k += 4) {  /* one quad an iteration: two would not fit the registers */
+            if (MT <= 2)  /* two quads (one 64-byte line) an iteration: the registers allow it */
+                for (; k + 8 <= kb; k += 8) {
+                    PREFETCH_Q(w + k * (PANEL / 2));
+                    QUAD(k) QUAD(k + 4)
+                }
+            for (; k < kb; k += 4) {  /* with more rows, one an iteration: two would not fit the registers */
                 if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));
                 QUAD(k)
             }
-            WIDEN(0) WIDEN(1) WIDEN(2) WIDEN(3)
+            if (MT <= 2) { WIDEN_REG(0) WIDEN_REG(1) }
+            else { WIDEN_MEM(0) WIDEN_MEM(1) WIDEN_MEM(2) WIDEN_MEM(3) }
         }
         __m256 s0, s1;
         __m256i z0, z1;
         group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
-        CLOSE8(0) CLOSE8(1) CLOSE8(2) CLOSE8(3)
+        if (MT <= 2) { CLOSE8(0, a00, a01) CLOSE8(1, a10, a11) }
+        else { CLOSE_MEM(0) CLOSE_MEM(1) CLOSE_MEM(2) CLOSE_MEM(3) }
     }
     for (int i = 0; i < MT; i++)
         store16(y + i * N, _mm256_loadu_ps(acc + i * PANEL), _mm256_loadu_ps(acc + i * PANEL + 8), nvalid);
 }
 #undef QUAD
 #undef ROW8
-#undef WIDEN
+#undef WIDEN_REG
+#undef WIDEN_MEM
 #undef CLOSE8
+#undef CLOSE_MEM
 
 /* One row of x (K values) -> int8 codes (zero-padded to K4), its scale, and its code sum per weight group.
  * The scale and the rounding are those of qbench.quant.primitives.quantize_activations: s = absmax / 127 in
@@ -144,9 +157,7 @@ void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, con
 #define TILE(mt) tile_i4a8(mt, x8 + m0 * K4, sx8 + m0, xs + m0 * ngroups, pn.w, pn.sc, pn.zp, K4, G, ngroups,  \
                          y + m0 * N + pn.n0, N, pn.nvalid)
             switch (tile_rows4(M, t)) {
-#if A8_ROWS >= 4
                 case 4: TILE(4); break;
-#endif
                 case 3: TILE(3); break;
                 case 2: TILE(2); break;
                 default: TILE(1); break;
