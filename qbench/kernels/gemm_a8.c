@@ -126,14 +126,8 @@ static inline __attribute__((always_inline)) void tile_i4a8(const int MT, const 
  * The scale and the rounding are those of qbench.quant.primitives.quantize_activations: s = absmax / 127 in
  * fp32, codes = round-to-nearest-even(x * (1 / s)); _mm256_cvtps_epi32 rounds so under the default MXCSR. */
 static void row_to_i8(const float *x, long K, long K4, long G, int8_t *q, float *scale, int32_t *sums) {
-    const __m256 signmask = _mm256_set1_ps(-0.0f);
-    __m256 vmax = _mm256_setzero_ps();
-    long k = 0;
-    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(signmask, _mm256_loadu_ps(x + k)));
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, vmax);
-    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
-    for (long j = k; j < K; j++) { float a = x[j] < 0 ? -x[j] : x[j]; amax = a > amax ? a : amax; }
+    float amax = absmax_f32(x, K);
+    long k;
     float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
     __m256 vinv = _mm256_set1_ps(inv);
     for (k = 0; k + 8 <= K; k += 8) {

@@ -12,7 +12,6 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
-#include <math.h>
 #include <stdlib.h>
 
 #include "panel.h"
@@ -353,14 +352,8 @@ static void panel_i4q(long M, const int16_t *x16, const float *sx16, const int32
  * scalar loop's; the scalar tail uses the same conversion. (lrintf was a libm call per activation: 20 us
  * for one row of a 4,864-wide down projection.) */
 static void group_to_i16(const float *x, long n, int16_t *q, float *scale, int32_t *sum) {
-    const __m256 signmask = _mm256_set1_ps(-0.0f);
-    __m256 vmax = _mm256_setzero_ps();
-    long k = 0;
-    for (; k + 8 <= n; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(signmask, _mm256_loadu_ps(x + k)));
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, vmax);
-    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
-    for (long j = k; j < n; j++) { float a = fabsf(x[j]); amax = a > amax ? a : amax; }
+    float amax = absmax_f32(x, n);
+    long k;
     float s = amax > 0.0f ? amax / 32767.0f : 1.0f, inv = 1.0f / s;
     __m256 vinv = _mm256_set1_ps(inv);
     __m256i vsum = _mm256_setzero_si256();

@@ -15,6 +15,19 @@ static inline void store16(float *y, __m256 r0, __m256 r1, long nvalid) {
     for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
 }
 
+/* max |x_k| over n floats (0 for n = 0): the scale of a row or group of activations rounded to integers. */
+static inline float absmax_f32(const float *x, long n) {
+    const __m256 signmask = _mm256_set1_ps(-0.0f);
+    __m256 vmax = _mm256_setzero_ps();
+    long k = 0;
+    for (; k + 8 <= n; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(signmask, _mm256_loadu_ps(x + k)));
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, vmax);
+    for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+    for (; k < n; k++) { float a = x[k] < 0 ? -x[k] : x[k]; amax = a > amax ? a : amax; }
+    return amax;
+}
+
 /* One group's 16 fp16 weight scales and 16 zero points, widened for columns 0-7 and 8-15. */
 static inline __attribute__((always_inline)) void group_params(const uint16_t *sc, const uint8_t *zp, __m256 *s0,
                                                               __m256 *s1, __m256i *z0, __m256i *z1) {
