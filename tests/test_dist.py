@@ -176,25 +176,37 @@ def w8(smollm2, tmp_path_factory):
     return _quantized("w8", tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def w4a8g64(smollm2, tmp_path_factory):
+    return _quantized("w4a8g64", tmp_path_factory)
+
+
 @pytest.mark.parametrize("which, kind, tol", [("fp", "backend", 1e-3), ("fp", "ring", 1e-3),
-                                              ("w4g128", "ring", 5e-2), ("w8", "backend", 1e-3)])
+                                              ("w4g128", "ring", 5e-2), ("w8", "backend", 1e-3),
+                                              ("w4a8g64", "backend", None)])
 def test_tensor_parallel_matches_one_process(tmp_path, smollm2, request, which, kind, tol):
-    # w4g128: o_proj is cut at input column 384 = 3 groups; w8: per-channel scales stay whole per row
+    # w4g128: o_proj is cut at input column 384 = 3 groups; w8: per-channel scales stay whole per row;
+    # w4a8g64: o_proj and down_proj take their input split over the ranks, and each rank scales its own slice
+    # of a token to int8 (as a row-parallel layer with dynamic activation quantization does in vLLM), so the
+    # logits differ from one process by that rounding (SmolLM2: max |dlogit| 6.2, where W4A8 and W4A16 of the
+    # same codes differ by 24.7 in one process), so only the run, the ranks' agreement and the split are held
     spec = SMOL if which == "fp" else str(request.getfixturevalue(which))
     script = tmp_path / "tp_check.py"
     script.write_text(TP_CHECK)
     r = torchrun(2, str(script), spec, kind)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["max_abs"] < tol * max(rep["scale"], 1.0), rep["max_abs"]
-    assert rep["tokens_equal"]  # greedy generation identical to one process
+    if tol is not None:
+        assert rep["max_abs"] < tol * max(rep["scale"], 1.0), rep["max_abs"]
+        assert rep["tokens_equal"]  # greedy generation identical to one process
     ranks = rep["ranks"]
     assert all(x["tokens"] == ranks[0]["tokens"] for x in ranks)
     # SmolLM2 has 3 KV heads: rank 0 holds 2, rank 1 holds 1, of the cache and of q/k/v/o
     assert [x["kv_heads"] for x in ranks] == [[0, 2], [2, 3]]
     assert [x["kv_bytes_per_token"] for x in ranks] == [rep["full_kv"] * 2 // 3, rep["full_kv"] // 3]
-    assert all(x["weight_bytes"] < 0.6 * rep["full_bytes"] for x in ranks)
-    assert sum(x["weight_bytes"] for x in ranks) < 1.05 * rep["full_bytes"]  # only the norms are replicated
+    if which != "w4a8g64":  # there the fp32 table (113 MB, untied from the INT4 head) is on every rank
+        assert all(x["weight_bytes"] < 0.6 * rep["full_bytes"] for x in ranks)
+        assert sum(x["weight_bytes"] for x in ranks) < 1.05 * rep["full_bytes"]  # only the norms are replicated
     if kind == "ring":
         assert ranks[0]["ring_steps"] == 2 * ranks[0]["all_reduces"]  # p = 2: two steps per all-reduce
 
