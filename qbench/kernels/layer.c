@@ -1,6 +1,6 @@
 /* A decode step's decoder layers in one call (Llama family: RMSNorm, fused q/k/v, RoPE, paged attention,
- * o, RMSNorm, fused gate/up, SiLU, down, two residuals), on fp32, INT8 or INT4 weights (W4A16 or W4A8) and an fp32,
- * fp16/bf16 or quantized (KIVI, FP8) KV pool.
+ * o, RMSNorm, fused gate/up, SiLU, down, two residuals), on fp32, INT8 or INT4 weights (W4A16 or W4A8)
+ * and an fp32, fp16/bf16 or quantized (KIVI, FP8) KV pool.
  *
  * It calls the same kernels, with the same arguments, in the same order as the layer-by-layer path of
  * qbench/models/llama.py, so its results are bit-identical to that path: what it removes is the Python

@@ -28,7 +28,7 @@ from qbench.models.base import CausalLM
 from qbench.models.config import ModelConfig
 from qbench.models.weights import LazyTensors, Weights, read_header
 from qbench.paths import sha256_file
-from qbench.quant.primitives import ACTIVATIONS, QTensor, pack_int4, padded_width, storage_bytes, unpack_int4
+from qbench.quant.primitives import QTensor, activations_fit, pack_int4, padded_width, storage_bytes, unpack_int4
 from qbench.quant.qlinear import make_qlinear
 
 FORMAT = "qbench-quant/1"
@@ -230,7 +230,7 @@ class QuantFactory:
                                   f"does not match the weights: re-create the artifact")
             got[suffix] = t
         acts = scheme.get("activations", "fp32")
-        if acts not in ACTIVATIONS or (acts == "int8" and bits != 4):
+        if not activations_fit(acts, bits):
             raise QBenchError(f"{self.where}: {MANIFEST} gives {key} activations {acts!r} with {bits}-bit weights, "
                               f"which qbench never writes (int8 activations go with INT4 weights only); the "
                               f"manifest was edited or damaged: re-create the artifact")

@@ -93,6 +93,11 @@ def dequantize(q: QTensor) -> torch.Tensor:
 ACTIVATIONS = ("fp32", "int8")
 
 
+def activations_fit(activations: str, bits: int) -> bool:
+    """Whether weights of ``bits`` take ``activations``: int8 inputs go with INT4 weights only (W4A8)."""
+    return activations == "fp32" or (activations == "int8" and bits == 4)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) -> int8 codes (..., K) and fp32 scales (..., 1): per token (row), symmetric, dynamic.
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from qbench.kernels import build as kernels
 from qbench.kernels.ops import dequant_i4, dequant_i8
 from qbench.layers.linear import dense_by_slabs, takes_dense
-from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, padded_width
+from qbench.quant.primitives import QTensor, activations_fit, dequantize, fake_quantize_activations, padded_width
 
 PANEL = 16
 # From ``linear.DENSE_ROWS`` rows per sequence on, the native path dequantizes the weight once per call and
@@ -54,7 +54,7 @@ class QuantLinear(torch.nn.Module):
             self.impl = "aten"
         self.bits, self.group_size = q.bits, q.group_size
         self.activations = q.activations  # "int8": every path multiplies per-token int8 activations (W4A8)
-        if self.activations != "fp32" and (q.bits != 4 or self.activations != "int8"):
+        if not activations_fit(q.activations, q.bits):
             raise ValueError(f"{self.activations} activations with {q.bits}-bit weights are not supported "
                              f"(int8 activations need INT4 weights)")
         self._prepare()

@@ -12,7 +12,7 @@ from pathlib import Path
 from qbench.errors import QBenchError
 from qbench.inputs import check_fields
 from qbench.layers.kvquant import KVScheme
-from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES
+from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES, activations_fit
 from qbench.yamlfile import read_mapping
 
 METHODS = ("rtn", "awq", "gptq")
@@ -76,7 +76,7 @@ class WeightScheme:
         if self.activations not in ACTIVATIONS:
             raise RecipeError(f"{where}: weights.activations: {self.activations!r} is not supported (supported: "
                               f"{', '.join(ACTIVATIONS)})")
-        if self.activations == "int8" and self.bits != 4:
+        if not activations_fit(self.activations, self.bits):
             raise RecipeError(f"{where}: weights.activations: int8 needs bits: 4 (W4A8); INT8 weights take fp32 "
                               f"activations")
         if self.method not in METHODS:
