@@ -107,10 +107,12 @@ def qwen():
 # a run on a machine that builds the kernels fails when a path this CPU supports ran no case.
 
 _INT_GEMMS = ("qb_gemm_i8", "qb_gemm_i4")
-_DEQUANTS = ("qb_dequant_i8", "qb_dequant_i4")
+_DEQUANTS = ("qb_dequant_i8", "qb_dequant_i4", "qb_dequant_f8")
 INT_VNNI, INT_AVX2 = "native int8/int4 GEMM, AVX-512 VNNI", "native int8/int4 GEMM, AVX2"
 W4A8 = "native INT4 x INT8-activation GEMM (W4A8), AVX2 on every CPU"
-DEQUANT = "native int8/int4 dequantize for prefill-sized rows (then oneDNN)"
+W8A8 = "native INT8 x INT8-activation GEMM (W8A8), AVX2 on every CPU"
+FP8W = "native FP8 e4m3 weight GEMM (W8A16), AVX2 on every CPU"
+DEQUANT = "native int8/int4/fp8 dequantize for prefill-sized rows (then oneDNN)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
 KV_ATTN = "native attention over quantized, FP8, fp16 and bf16 KV blocks"
 FUSED = "native one-call decode step (every layer of a step in qb_decode_layers)"
@@ -130,6 +132,10 @@ def _path_of(name: str, dll) -> str:
         return INT_VNNI if dll.qb_isa() == 512 else INT_AVX2
     if name == "qb_gemm_i4a8":
         return W4A8
+    if name == "qb_gemm_i8a8":
+        return W8A8
+    if name == "qb_gemm_f8":
+        return FP8W
     if name == "qb_attention_kv":
         return KV_ATTN
     if name == "qb_decode_layers":
@@ -184,7 +190,7 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, W4A8, FP32, DEQUANT, KV_ATTN, FUSED] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
+    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 

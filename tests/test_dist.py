@@ -181,12 +181,17 @@ def w4a8g64(smollm2, tmp_path_factory):
     return _quantized("w4a8g64", tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def w8a8(smollm2, tmp_path_factory):
+    return _quantized("w8a8", tmp_path_factory)
+
+
 @pytest.mark.parametrize("which, kind, tol", [("fp", "backend", 1e-3), ("fp", "ring", 1e-3),
                                               ("w4g128", "ring", 5e-2), ("w8", "backend", 1e-3),
-                                              ("w4a8g64", "backend", None)])
+                                              ("w4a8g64", "backend", None), ("w8a8", "backend", None)])
 def test_tensor_parallel_matches_one_process(tmp_path, smollm2, request, which, kind, tol):
     # w4g128: o_proj is cut at input column 384 = 3 groups; w8: per-channel scales stay whole per row;
-    # w4a8g64: o_proj and down_proj take their input split over the ranks, and each rank scales its own slice
+    # w4a8g64, w8a8: o_proj and down_proj take their input split over the ranks, and each rank scales its own slice
     # of a token to int8 (as a row-parallel layer with dynamic activation quantization does in vLLM), so the
     # logits differ from one process by that rounding (SmolLM2: max |dlogit| 6.2, where W4A8 and W4A16 of the
     # same codes differ by 24.7 in one process), so only the run, the ranks' agreement and the split are held

@@ -106,11 +106,12 @@ def test_an_int8_embedding_is_refused_with_one_line(tiny_models, tmp_path):
     assert not (tmp_path / "ct").exists()
 
 
-def test_an_int8_activation_artifact_is_refused_with_one_line(tiny_models, tmp_path):
+@pytest.mark.parametrize("recipe", ["w4a8g64", "w8a8"])
+def test_an_int8_activation_artifact_is_refused_with_one_line(tiny_models, tmp_path, recipe):
     from qbench.errors import QBenchError
     folder, _ = tiny_models["llama"]
-    run_quantize(str(folder), "w4a8g64", tmp_path / "art", log=lambda s: None)
-    with pytest.raises(QBenchError, match="INT8 activations .W4A8.") as e:
+    run_quantize(str(folder), recipe, tmp_path / "art", log=lambda s: None)
+    with pytest.raises(QBenchError, match="INT8 activations .W4A8 or W8A8.") as e:
         run_export(tmp_path / "art", "compressed-tensors", tmp_path / "ct")
     assert "\n" not in str(e.value) and not (tmp_path / "ct").exists()
     run_export(tmp_path / "art", "native", tmp_path / "nat")  # its own format keeps everything

@@ -60,9 +60,32 @@ def ref_int4(w: np.ndarray, group: int, symmetric: bool) -> tuple[np.ndarray, np
     return deq.reshape(n, kp)[:, :k], ratio.reshape(n, kp)[:, :k]
 
 
+def _e4m3_grid() -> np.ndarray:
+    """The non-negative finite FP8 e4m3fn values in code order (codes 0..126; 127 is NaN), from the format's
+    definition: subnormals m / 8 * 2^-6, normals 2^(e - 7) (1 + m / 8)."""
+    return np.array([(m / 8) * 2.0 ** -6 if e == 0 else 2.0 ** (e - 7) * (1 + m / 8)
+                     for e in range(16) for m in range(8)][:127])
+
+
+def ref_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """e4m3 per row: scale = absmax / 448 (fp16), each w / scale rounded to the nearest grid value, ties to the
+    even code. The ratio returned is the position in code space (a tie sits at .5), for assert_same."""
+    grid = _e4m3_grid()
+    scale = _fp16(np.maximum(np.abs(w).max(axis=1) / 448.0, 1e-7))[:, None]
+    r = np.clip(np.abs(w / scale), 0, 448.0)
+    hi = np.clip(np.searchsorted(grid, r), 1, 126)  # grid[hi - 1] <= r <= grid[hi]
+    lo_v, hi_v = grid[hi - 1], grid[hi]
+    pos = (hi - 1) + (r - lo_v) / (hi_v - lo_v)
+    frac = pos - (hi - 1)
+    code = np.where(frac > 0.5, hi, np.where(frac < 0.5, hi - 1, np.where((hi - 1) % 2 == 0, hi - 1, hi)))
+    return np.sign(w) * grid[code] * scale, pos
+
+
 def ref_scheme(w: np.ndarray, scheme: dict | None) -> tuple[np.ndarray, np.ndarray | None]:
     if scheme is None:
         return w, None
+    if scheme.get("type") == "float":
+        return ref_fp8(w)
     if scheme["bits"] == 8:
         return ref_int8(w)
     return ref_int4(w, scheme["group_size"], scheme.get("symmetric", True))
@@ -123,12 +146,16 @@ CASES = [  # (family, weights section): every weight scheme, every head scheme, 
     ("qwen2", {"bits": 4, "group_size": 32, "symmetric": False, "lm_head": {"bits": 8}, "embedding": "int8"}),
     ("gpt2", {"bits": 4, "group_size": 64, "symmetric": True, "lm_head": {"bits": 8}, "embedding": "int8"}),
     ("gpt2", {**W8, "lm_head": True, "embedding": "bf16"}),
+    ("odd", {**W8, "type": "float", "lm_head": True}),  # FP8 e4m3, the head too
+    ("llama-tied-bias", {**W8, "type": "float", "lm_head": {"bits": 8}, "embedding": "int8"}),
+    ("gpt2", {**W8, "type": "float"}),
 ]
 
 
 def _case_id(case):
     fam, w = case
-    s = "w8" if w["bits"] == 8 else f"w4g{w['group_size']}{'' if w['symmetric'] else '-asym'}"
+    s = "fp8" if w.get("type") == "float" else "w8" if w["bits"] == 8 else \
+        f"w4g{w['group_size']}{'' if w['symmetric'] else '-asym'}"
     head = w.get("lm_head", False)
     h = "" if head is False else "-head" if head is True else \
         f"-h{head['bits']}" + (f"g{head['group_size']}" if head.get("group_size") else "")

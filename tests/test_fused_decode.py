@@ -17,7 +17,7 @@ from qbench.quant.recipe import load_recipe
 pytestmark = pytest.mark.skipif(not build.available(), reason="native kernels not built here")
 
 UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70))]
-WEIGHTS = ["fp32", "w8", "w4g64", "w4g128-asym", "w4g64-head", "w4a8g64"]
+WEIGHTS = ["fp32", "w8", "w4g64", "w4g128-asym", "w4g64-head", "w4a8g64", "w8a8", "fp8"]
 KV = [None, KVScheme(scheme="fp16"), KVScheme(scheme="bf16"), KVScheme(8, 8, v_group=16),
       KVScheme(4, 2, v_group=16), KVScheme(4, 4, v_group=16, residual=48), KVScheme(8, 8, scheme="fp8"),
       KVScheme(16, 4, v_group=16), KVScheme(4, 4, scheme="per-tensor")]

@@ -12,8 +12,7 @@ from qbench.errors import QBenchError
 from qbench.kernels import build
 from qbench.layers.attention import AttnMetadata
 from qbench.quant.artifact import load_artifact
-from qbench.quant.primitives import dequantize, fake_quantize_activations, quantize_activations, quantize_int4, \
-    quantize_int8
+from qbench.quant.primitives import dequantize, fake_quantize_activations, quantize_activations, quantize_int4
 from qbench.quant.qlinear import QuantLinear, make_qlinear
 from qbench.quant.quantize import run_quantize
 from qbench.quant.recipe import RecipeError, load_recipe
@@ -87,15 +86,12 @@ def test_the_int16_sums_cannot_overflow_at_the_extremes():
         assert torch.allclose(lin(x).double(), ref, rtol=1e-6)
 
 
-def test_int8_activations_need_int4_weights(tmp_path):
-    with pytest.raises(ValueError, match="need INT4 weights"):
-        q = quantize_int8(torch.randn(16, 32))
-        q.activations = "int8"
+def test_activations_are_fp32_or_int8(tmp_path):
+    with pytest.raises(ValueError, match="activations are fp32 or int8"):
+        q = quantize_int4(torch.randn(16, 32), 32)
+        q.activations = "int4"
         make_qlinear(q, None, "reference")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: b\nweights: {bits: 8, group_size: null, activations: int8}\n")
-    with pytest.raises(RecipeError, match=r"bad.yaml: weights.activations: int8 needs bits: 4"):
-        load_recipe(str(bad))
     bad.write_text("name: b\nweights: {bits: 4, group_size: 64, activations: int4}\n")
     with pytest.raises(RecipeError, match=r"bad.yaml: weights.activations: 'int4' is not supported"):
         load_recipe(str(bad))

@@ -94,7 +94,10 @@ def load() -> ctypes.CDLL | None:
         "qb_gemm_i8": [P] * 4 + [L] * 3 + [I],
         "qb_gemm_i4": [P] * 5 + [L] * 4 + [I],
         "qb_gemm_i4a8": [P] * 5 + [L] * 4 + [I],
+        "qb_gemm_i8a8": [P] * 4 + [L] * 3 + [I],
+        "qb_gemm_f8": [P] * 4 + [L] * 3 + [I],
         "qb_dequant_i8": [P] * 3 + [L] * 2 + [I],
+        "qb_dequant_f8": [P] * 3 + [L] * 2 + [I],
         "qb_dequant_i4": [P] * 4 + [L] * 3 + [I],
         "qb_set_isa": [I],
         # layers (qb_layer *), n, step (qb_step *), x, scratch, stages, threads

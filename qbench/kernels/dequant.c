@@ -13,21 +13,29 @@
 
 #include "panel.h"
 
-/* wp (P, K, 16) int8, scale (P * 16) fp32 -> out (K, N) fp32, row-major. */
-void qb_dequant_i8(const int8_t *wp, const float *scale, float *out, long K, long N, int nthreads) {
+/* wp (P, K, 16) int8 (or FP8 bytes), scale (P * 16) fp32 -> out (K, N) fp32, row-major. */
+static inline __attribute__((always_inline)) void dequant_8bit(const int F8, const int8_t *wp, const float *scale,
+                                                              float *out, long K, long N, int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
         const int8_t *w = wp + p * K * PANEL;
         long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        __m256 s0 = _mm256_loadu_ps(scale + n0), s1 = _mm256_loadu_ps(scale + n0 + 8);
+        __m256 s0 = scale8(F8, scale + n0), s1 = scale8(F8, scale + n0 + 8);
         for (long k = 0; k < K; k++) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(w + k * PANEL));
-            __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s0);
-            __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), s1);
-            store16(out + k * N + n0, w0, w1, nvalid);
+            __m256 w0, w1;
+            widen16(F8, w + k * PANEL, &w0, &w1);
+            store16(out + k * N + n0, _mm256_mul_ps(w0, s0), _mm256_mul_ps(w1, s1), nvalid);
         }
     }
+}
+
+void qb_dequant_i8(const int8_t *wp, const float *scale, float *out, long K, long N, int nthreads) {
+    dequant_8bit(0, wp, scale, out, K, N, nthreads);
+}
+
+void qb_dequant_f8(const uint8_t *wp, const float *scale, float *out, long K, long N, int nthreads) {
+    dequant_8bit(1, (const int8_t *)wp, scale, out, K, N, nthreads);
 }
 
 /* wp (P, K4 / 2, 16) uint8 in qb_gemm_i4's layout (byte 2c + t of k-pair j holds code(2j + t, c) in its

@@ -1,4 +1,5 @@
-/* INT4 group weights against INT8 activations (W4A8, a recipe's `activations: int8`).
+/* INT8 activations against INT4 group weights (W4A8) and INT8 per-channel weights (W8A8), a recipe's
+ * `activations: int8`.
  *
  * Each row of x is quantized per token, dynamically and symmetrically: s = absmax / 127, x8 = round(x / s)
  * (to nearest even, as torch.round), so |x8| <= 127. The weights stay in qb_gemm_i4's panel layout, so a
@@ -122,13 +123,19 @@ static inline __attribute__((always_inline)) void tile_i4a8(const int MT, const 
 #undef CLOSE8
 #undef CLOSE_MEM
 
-/* One row of x (K values) -> int8 codes (zero-padded to K4), its scale, and its code sum per weight group.
- * The scale and the rounding are those of qbench.quant.primitives.quantize_activations: s = absmax / 127 in
- * fp32, codes = round-to-nearest-even(x * (1 / s)); _mm256_cvtps_epi32 rounds so under the default MXCSR. */
+/* A row's activation scale and its reciprocal: those of qbench.quant.primitives.quantize_activations,
+ * s = absmax / 127 in fp32 (1 for a zero row); codes are round-to-nearest-even(x * (1 / s)), as
+ * _mm256_cvtps_epi32 rounds under the default MXCSR. */
+static inline float row_scale(const float *x, long K, float *inv) {
+    float amax = absmax_f32(x, K), s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    *inv = 1.0f / s;
+    return s;
+}
+
+/* One row of x (K values) -> int8 codes (zero-padded to K4), its scale, and its code sum per weight group. */
 static void row_to_i8(const float *x, long K, long K4, long G, int8_t *q, float *scale, int32_t *sums) {
-    float amax = absmax_f32(x, K);
     long k;
-    float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
+    float inv, s = row_scale(x, K, &inv);
     __m256 vinv = _mm256_set1_ps(inv);
     for (k = 0; k + 8 <= K; k += 8) {
         __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
@@ -171,4 +178,78 @@ void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, con
     free(x8);
     free(sx8);
     free(xs);
+}
+
+/* W8A8: INT8 weights in qb_gemm_i8's panels ((P, K, 16) int8, one fp32 scale per column) against the same
+ * per-token INT8 activations. The products are not unsigned x signed, so _mm256_maddubs_epi16 does not take
+ * them without llama.cpp's sign trick, and its int16 pair sums (up to 2 * 127 * 127) would need a widening
+ * _mm256_madd_epi16 after every one; _mm256_madd_epi16 on int16 operands does the same multiplies into int32
+ * directly. Rows k and k + 1 of a panel are interleaved and sign-extended once per tile (two shuffles and two
+ * extensions per k-pair, shared by its rows); each row then costs two madd and two adds per k-pair. The int32
+ * column sums are exact (|sum| <= 127 * 127 * K < 2^31 for K < 133,000), and
+ *   y = float(sum) * (s_w * s_x),
+ * rounded in that order, which the tests reproduce bit for bit from an int64 matmul. */
+#define ACC_I8A8(i) __m256i a##i##0 = _mm256_setzero_si256(), a##i##1 = a##i##0;
+#define ROW_I8A8(i) if (MT > i) { __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K2 + k));    \
+                                  a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(w0, xb));         \
+                                  a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(w1, xb)); }
+#define PAIR_I8A8(r1) { __m128i r0 = _mm_loadu_si128((const __m128i *)(w + k * PANEL));                     \
+                        __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));                      \
+                        __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));                      \
+                        ROW_I8A8(0) ROW_I8A8(1) ROW_I8A8(2) ROW_I8A8(3) ROW_I8A8(4) ROW_I8A8(5) }
+#define OUT_I8A8(i) if (MT > i) { __m256 sx = _mm256_set1_ps(sx16[i]);                                      \
+        store16(y + i * N, _mm256_mul_ps(_mm256_cvtepi32_ps(a##i##0), _mm256_mul_ps(s0, sx)),              \
+                _mm256_mul_ps(_mm256_cvtepi32_ps(a##i##1), _mm256_mul_ps(s1, sx)), nvalid); }
+static inline __attribute__((always_inline)) void tile_i8a8(const int MT, const int16_t *x16, const float *sx16,
+                                                           const int8_t *w, long K, long K2, const float *scale,
+                                                           float *y, long N, long nvalid) {
+    ACC_I8A8(0) ACC_I8A8(1) ACC_I8A8(2) ACC_I8A8(3) ACC_I8A8(4) ACC_I8A8(5)
+    long k = 0;
+    for (; k + 2 <= K; k += 2) {
+        if ((k & 3) == 0) PREFETCH_Q(w + k * PANEL);
+        PAIR_I8A8(_mm_loadu_si128((const __m128i *)(w + (k + 1) * PANEL)))
+    }
+    if (k < K) PAIR_I8A8(_mm_setzero_si128())  /* an odd K: the panel ends; x16's padding is zero too */
+    __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    OUT_I8A8(0) OUT_I8A8(1) OUT_I8A8(2) OUT_I8A8(3) OUT_I8A8(4) OUT_I8A8(5)
+}
+#undef ACC_I8A8
+#undef ROW_I8A8
+#undef PAIR_I8A8
+#undef OUT_I8A8
+
+/* One row of x -> int16 codes (the int8 grid, zero-padded to K2 = K rounded up to even) and its scale. */
+static void row_to_i16(const float *x, long K, long K2, int16_t *q, float *scale) {
+    long k;
+    float inv;
+    *scale = row_scale(x, K, &inv);
+    __m256 vinv = _mm256_set1_ps(inv);
+    for (k = 0; k + 8 <= K; k += 8) {
+        __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), vinv));
+        _mm_storeu_si128((__m128i *)(q + k), _mm_packs_epi32(_mm256_castsi256_si128(qi),
+                                                             _mm256_extracti128_si256(qi, 1)));
+    }
+    for (; k < K; k++) q[k] = (int16_t)_mm_cvtss_si32(_mm_set_ss(x[k] * inv));
+    for (; k < K2; k++) q[k] = 0;
+}
+
+/* x (M, K) fp32; the weight in qb_gemm_i8's layout with its per-column scales; y (M, N). */
+void qb_gemm_i8a8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
+                  int nthreads) {
+    long npanels = (N + PANEL - 1) / PANEL, K2 = (K + 1) & ~1L;
+    int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * M * K2 + 64);
+    float *sx16 = (float *)malloc(sizeof(float) * M + 16);
+    for (long m = 0; m < M; m++) row_to_i16(x + m * K, K, K2, x16 + m * K2, sx16 + m);
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long p = 0; p < npanels; p++) {
+        long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
+        const int8_t *w = wp + p * K * PANEL;
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
+#define TILE(mt, _) tile_i8a8(mt, x16 + m0 * K2, sx16 + m0, w, K, K2, scale + n0, y + m0 * N + n0, N, nvalid)
+            SWITCH_ROWS(tile_rows(M, t), TILE, 0)
+#undef TILE
+        }
+    }
+    free(x16);
+    free(sx16);
 }

@@ -6,6 +6,8 @@
  *
  * INT8: panel p holds (K, 16) int8; one fp32 scale per output column, applied once at the end. With
  * AVX-512 (qb_isa() == 512) a panel row is one zmm; the AVX2 tiles serve the other CPUs and the tests.
+ * FP8 (e4m3, qb_gemm_f8): the same layout and tiles with bytes widened as FP8 (panel.h, widen16), on AVX2 on
+ * every CPU.
  * INT4: unsigned codes u in [0, 15], 16 fp16 scales and 16 uint8 zero points per (panel, group);
  * a group's integer dot products are accumulated first and its scale is applied once per group
  * (the seeds): y += s * (sum_k x_k u_k - z * sum_k x_k). See qb_gemm_i4 for its layout.
@@ -21,18 +23,18 @@
                               c##i##1 = _mm256_fmadd_ps(xb, w1, c##i##1); }
 #define OUT8(i) if (MT > i) store16(y + i * N, _mm256_mul_ps(c##i##0, s0), _mm256_mul_ps(c##i##1, s1), nvalid);
 
-static inline __attribute__((always_inline)) void tile_i8(const int MT, const float *x, const int8_t *w, long K,
-                                                         const float *scale, float *y, long N, long nvalid) {
+static inline __attribute__((always_inline)) void tile_i8(const int MT, const int F8, const float *x,
+                                                         const int8_t *w, long K, const float *scale, float *y,
+                                                         long N, long nvalid) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (long k = 0; k < K; k++) {
         if ((k & 3) == 0) PREFETCH_Q(w + k * PANEL);
-        __m128i b = _mm_loadu_si128((const __m128i *)(w + k * PANEL));
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+        __m256 w0, w1;
+        widen16(F8, w + k * PANEL, &w0, &w1);
         ROW8(0) ROW8(1) ROW8(2) ROW8(3) ROW8(4) ROW8(5)
     }
-    __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    __m256 s0 = scale8(F8, scale), s1 = scale8(F8, scale + 8);
     OUT8(0) OUT8(1) OUT8(2) OUT8(3) OUT8(4) OUT8(5)
 }
 
@@ -48,15 +50,16 @@ static inline __attribute__((always_inline)) void tile_i8(const int MT, const fl
 #define PANEL_I8(j) if (NP > j) {                                                                       \
         const int8_t *wj = w + j * K * PANEL + k * PANEL;                                                \
         if ((k & 3) == 0) PREFETCH_Q(wj);                                                                \
-        __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wj)));     \
-        __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wj + 8)))); \
+        __m256 w0, w1;                                                                                  \
+        widen16(F8, wj, &w0, &w1);                                                                      \
         FMA_I8(0, j) if (MT > 1) FMA_I8(1, j) }
 #define OUT_I8(i, j) if (NP > j && MT > i)                                                              \
-        store16(y + i * N + j * PANEL, _mm256_mul_ps(a##i##j##0, _mm256_loadu_ps(scale + j * PANEL)),    \
-                _mm256_mul_ps(a##i##j##1, _mm256_loadu_ps(scale + j * PANEL + 8)), j == NP - 1 ? nlast : PANEL);
-static inline __attribute__((always_inline)) void tile_i8_narrow(const int MT, const int NP, const float *x,
-                                                                const int8_t *w, long K, const float *scale,
-                                                                float *y, long N, long nlast) {
+        store16(y + i * N + j * PANEL, _mm256_mul_ps(a##i##j##0, scale8(F8, scale + j * PANEL)),         \
+                _mm256_mul_ps(a##i##j##1, scale8(F8, scale + j * PANEL + 8)), j == NP - 1 ? nlast : PANEL);
+static inline __attribute__((always_inline)) void tile_i8_narrow(const int MT, const int NP, const int F8,
+                                                                const float *x, const int8_t *w, long K,
+                                                                const float *scale, float *y, long N,
+                                                                long nlast) {
     ACC_I8(0, 0) ACC_I8(0, 1) ACC_I8(0, 2) ACC_I8(0, 3) ACC_I8(1, 0) ACC_I8(1, 1) ACC_I8(1, 2) ACC_I8(1, 3)
     for (long k = 0; k < K; k++) {
         PANEL_I8(0) PANEL_I8(1) PANEL_I8(2) PANEL_I8(3)
@@ -68,10 +71,11 @@ static inline __attribute__((always_inline)) void tile_i8_narrow(const int MT, c
 #undef PANEL_I8
 #undef OUT_I8
 
-#define NARROW(mt, np) tile_i8_narrow(mt, np, x, w, K, scale + n0, y + n0, N, nlast)
+#define NARROW(mt, np) tile_i8_narrow(mt, np, F8, x, w, K, scale + n0, y + n0, N, nlast)
 /* Panels [p0, p0 + np) for one or two rows; only the matrix's last panel may be partial. */
-static void panels_i8_narrow(long M, const float *x, const int8_t *wp, long K, const float *scale, float *y,
-                             long N, long p0, long np) {
+static inline __attribute__((always_inline)) void panels_i8_narrow(const int F8, long M, const float *x,
+                                                                  const int8_t *wp, long K, const float *scale,
+                                                                  float *y, long N, long p0, long np) {
     const int8_t *w = wp + p0 * K * PANEL;
     long n0 = p0 * PANEL, nlast = N - (n0 + (np - 1) * PANEL) < PANEL ? N - (n0 + (np - 1) * PANEL) : PANEL;
     if (M == 2) {
@@ -128,17 +132,19 @@ static AVX512 void panel_i8z(long M, const float *x, const int8_t *w, long K, co
         SWITCH_ROWS(tile_rows(M, t), tile_i8z, x + m0 * K, w, K, scale, y + m0 * N, N, nvalid)
 }
 
-/* x (M, K) fp32; wp (P, K, 16) int8; scale (P * 16) fp32 (padded); y (M, N). */
-void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
-                int nthreads) {
+/* x (M, K) fp32; wp (P, K, 16) int8 or FP8 bytes; scale (P * 16) fp32 (padded); y (M, N). The AVX-512 tiles
+ * take INT8 only: FP8 runs the AVX2 ones on every CPU. */
+static inline __attribute__((always_inline)) void gemm_8bit(const int F8, const float *x, const int8_t *wp,
+                                                           const float *scale, float *y, long M, long K, long N,
+                                                           int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
-    int wide = qb_isa() == 512;
+    int wide = !F8 && qb_isa() == 512;
     if (!wide && M <= 2) {
         long np = M == 2 ? 2 : 4, ngroups = (npanels + np - 1) / np;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (long gi = 0; gi < ngroups; gi++) {
             long p0 = gi * np;
-            panels_i8_narrow(M, x, wp, K, scale, y, N, p0, npanels - p0 < np ? npanels - p0 : np);
+            panels_i8_narrow(F8, M, x, wp, K, scale, y, N, p0, npanels - p0 < np ? npanels - p0 : np);
         }
         return;
     }
@@ -154,9 +160,20 @@ void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, 
             long mt = tile_rows(M, t);
             const float *xm = x + m0 * K;
             float *ym = y + m0 * N + n0;
-            SWITCH_ROWS(mt, tile_i8, xm, w, K, scale + n0, ym, N, nvalid)
+            SWITCH_ROWS(mt, tile_i8, F8, xm, w, K, scale + n0, ym, N, nvalid)
         }
     }
+}
+
+void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
+                int nthreads) {
+    gemm_8bit(0, x, wp, scale, y, M, K, N, nthreads);
+}
+
+/* FP8 e4m3 codes (as bytes) with fp32 per-column scales, in the INT8 layout (W8A16 FP8). */
+void qb_gemm_f8(const float *x, const uint8_t *wp, const float *scale, float *y, long M, long K, long N,
+                int nthreads) {
+    gemm_8bit(1, x, (const int8_t *)wp, scale, y, M, K, N, nthreads);
 }
 
 /* INT4 with 16-bit integer activations.

@@ -19,6 +19,10 @@ void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const
                 long K, long N, long G, int nthreads);
 void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, const uint8_t *zeros, float *y,
                   long M, long K, long N, long G, int nthreads);
+void qb_gemm_i8a8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
+                  int nthreads);
+void qb_gemm_f8(const float *x, const uint8_t *wp, const float *scale, float *y, long M, long K, long N,
+                int nthreads);
 void qb_rmsnorm(const float *x, const float *w, float *y, long rows, long n, float eps, int nthreads);
 void qb_silu_mul(const float *gu, float *y, long rows, long n, int nthreads);
 void qb_rope(float *x, const int64_t *pos, const float *cos_t, const float *sin_t, long ntok, long nheads,
@@ -32,7 +36,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                      int kmode, int kbits, const uint8_t *kc, const uint16_t *ks, const uint16_t *km, int vmode,
                      int vbits, long vg, const uint8_t *vc, const uint16_t *vs, const uint16_t *vm, int nthreads);
 
-enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_I4A8 = 3 };
+enum { LIN_F32 = 0, LIN_I8 = 1, LIN_I4 = 2, LIN_I4A8 = 3, LIN_I8A8 = 4, LIN_F8 = 5 };
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2, POOL_QUANT = 3 };
 enum { STAGE_WRITE = 1, STAGE_REST = 2 };  /* up to the KV write; from attention on */
 
@@ -79,7 +83,10 @@ static void linear(const qb_lin *l, const float *x, float *y, long M, int nt) {
         qb_gemm_f32_packed(x, (const float *)l->w, l->bias, y, M, l->K, l->N, nt);
         return;
     }
-    if (l->kind == LIN_I8) qb_gemm_i8(x, (const int8_t *)l->w, (const float *)l->s, y, M, l->K, l->N, nt);
+    if (l->kind == LIN_F8) qb_gemm_f8(x, (const uint8_t *)l->w, (const float *)l->s, y, M, l->K, l->N, nt);
+    else if (l->kind == LIN_I8 || l->kind == LIN_I8A8)
+        (l->kind == LIN_I8A8 ? qb_gemm_i8a8 : qb_gemm_i8)(x, (const int8_t *)l->w, (const float *)l->s, y, M, l->K,
+                                                          l->N, nt);
     else (l->kind == LIN_I4A8 ? qb_gemm_i4a8 : qb_gemm_i4)(x, (const uint8_t *)l->w, (const uint16_t *)l->s,
                                                             (const uint8_t *)l->z, y, M, l->K, l->N, l->G, nt);
     if (l->bias)  /* QuantLinear adds it after the product: y += bias */

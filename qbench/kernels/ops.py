@@ -48,6 +48,14 @@ def dequant_i8(panels: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tenso
     return out
 
 
+def dequant_f8(panels: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """FP8 e4m3 bytes in the INT8 panels and per-column scales -> the dense weight (K, n) float32."""
+    K = panels.shape[1]
+    out = torch.empty(K, n, dtype=torch.float32)
+    load().qb_dequant_f8(panels.data_ptr(), scale.data_ptr(), out.data_ptr(), K, n, torch.get_num_threads())
+    return out
+
+
 def dequant_i4(panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, n: int,
                group: int) -> torch.Tensor:
     """INT4 panels in ``qb_gemm_i4``'s layout -> the dense weight (k, n) float32."""

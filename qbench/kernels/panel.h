@@ -15,6 +15,28 @@ static inline void store16(float *y, __m256 r0, __m256 r1, long nvalid) {
     for (long j = 0; j < nvalid; j++) y[j] = tmp[j];
 }
 
+/* 16 bytes of a panel row -> columns 0-7 and 8-15 in fp32. INT8 (F8 = 0): the codes. FP8 e4m3 (F8 = 1): the
+ * value times 2^-8, exactly, through fp16: with the byte in a 16-bit lane's high half, an arithmetic shift by
+ * one puts exponent and mantissa in fp16's bits 13-7 (sign in 15, a copy of it in 14, which is cleared), so
+ * the fp16 number is 2^(e - 15) (1 + m / 8) for 2^(e - 7) (1 + m / 8), subnormals included (e = 0 is fp16's
+ * subnormal too), and F16C widens it. scale8 folds the 2^8 back into the column scale. */
+static inline __attribute__((always_inline)) void widen16(const int F8, const int8_t *p, __m256 *w0, __m256 *w1) {
+    if (F8) {
+        __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8);
+        h = _mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBFFF));
+        *w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    } else {
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    }
+}
+
+static inline __attribute__((always_inline)) __m256 scale8(const int F8, const float *s) {
+    __m256 v = _mm256_loadu_ps(s);
+    return F8 ? _mm256_mul_ps(v, _mm256_set1_ps(256.0f)) : v;
+}
+
 /* max |x_k| over n floats (0 for n = 0): the scale of a row or group of activations rounded to integers. */
 static inline float absmax_f32(const float *x, long n) {
     const __m256 signmask = _mm256_set1_ps(-0.0f);

@@ -23,7 +23,7 @@ from qbench.kernels import build as kernels
 from qbench.kernels import ops
 from qbench.layers.kv import BlockKV, QuantBlockKV
 
-LIN_F32, LIN_I8, LIN_I4, LIN_I4A8 = range(4)
+LIN_F32, LIN_I8, LIN_I4, LIN_I4A8, LIN_I8A8, LIN_F8 = range(6)
 POOL_F32, POOL_F16, POOL_BF16, POOL_QUANT = range(4)
 STAGE_WRITE, STAGE_REST = 1, 2
 _P, _L, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -59,7 +59,8 @@ def linear_desc(lin) -> Lin | None:
     if getattr(lin, "impl", None) != "native":
         return None
     if lin.bits == 8:
-        return Lin(LIN_I8, lin.in_features, lin.out_features, 0, _ptr(lin.panels), _ptr(lin.scale32), 0,
+        kind = LIN_F8 if lin.type == "float" else LIN_I8A8 if lin.activations == "int8" else LIN_I8
+        return Lin(kind, lin.in_features, lin.out_features, 0, _ptr(lin.panels), _ptr(lin.scale32), 0,
                    _ptr(bias))
     kind = LIN_I4A8 if lin.activations == "int8" else LIN_I4
     return Lin(kind, lin.in_features, lin.out_features, lin.group_size, _ptr(lin.panels), _ptr(lin.scales16),

@@ -30,7 +30,7 @@ def weight_files(folder: Path) -> list[Path]:
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn}
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -70,7 +70,9 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 20) -> bool:
     """No NaN or infinity in ``t``, checked a chunk at a time: ``isfinite`` over a whole embedding table
     makes temporaries of up to twice its size (+192 MiB of peak RSS on SmolLM2's 108 MiB table)."""
     flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[i:i + chunk]).all()) for i in range(0, flat.numel(), chunk))
+    widen = flat.dtype.itemsize == 1  # FP8: torch has no isfinite for it; its values are exact in fp32
+    return all(bool(torch.isfinite(flat[i:i + chunk].float() if widen else flat[i:i + chunk]).all())
+               for i in range(0, flat.numel(), chunk))
 
 
 def _not_finite(f: Path, name: str):

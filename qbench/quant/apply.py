@@ -16,8 +16,9 @@ from qbench.errors import QBenchError
 from qbench.layers.attention import AttnMetadata, build_mask
 from qbench.layers.embedding import Embedding
 from qbench.models.base import CausalLM
-from qbench.quant import awq, gptq
-from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, quantize_int4, quantize_int8
+from qbench.quant import awq, gptq, smoothing
+from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, quantize_fp8, quantize_int4, \
+    quantize_int8
 from qbench.quant.qembedding import Int8Embedding
 from qbench.quant.qlinear import make_qlinear
 from qbench.quant.recipe import Recipe
@@ -60,7 +61,9 @@ def targets(model: CausalLM, recipe: Recipe) -> list[str]:
     return out
 
 
-def rtn(W: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> QTensor:
+def rtn(W: torch.Tensor, bits: int, group: int | None, symmetric: bool, type: str = "int") -> QTensor:
+    if type == "float":
+        return quantize_fp8(W)
     return quantize_int8(W) if bits == 8 else quantize_int4(W, group, symmetric)
 
 
@@ -77,8 +80,7 @@ def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None) -> d
 def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None,
              res: QuantResult, activations: str = "fp32") -> None:
     """Swap the linear at ``path`` for its quantized module and record its error."""
-    if activations == "int8" and q.bits == 4:  # INT8 weights (a head under its own scheme) keep fp32 inputs
-        q.activations = "int8"
+    q.activations = activations
     res.qtensors[path] = q
     res.layers.append(_record(path, W, q, X))
     _set(model, path, make_qlinear(q, _get(model, path).bias))
@@ -105,7 +107,8 @@ def quantize_embedding(model: CausalLM, recipe: Recipe, res: QuantResult) -> Non
     table = model.embedding_table()  # (V, H)
     tied = getattr(model, model.embed_attr) is None
     head = _head_scheme(model, recipe)
-    out = EmbeddingResult(ws.embedding, shared_with_head=tied and ws.embedding == "int8" and head == (8, None, True))
+    out = EmbeddingResult(ws.embedding,
+                          shared_with_head=tied and ws.embedding == "int8" and head == (8, None, True, "int"))
     module, stored = None, table
     if ws.embedding == "int8":
         out.q = quantize_int8(table)
@@ -137,6 +140,9 @@ def check_recipe(model: CausalLM, recipe: Recipe) -> None:
     ws = recipe.weights
     if ws.method == "awq" and model.config.family != "llama":
         raise QBenchError(f"AWQ is implemented for the Llama family; {model.config.model_type} is not; use rtn or gptq")
+    if recipe.smoothquant is not None and model.config.family != "llama":
+        raise QBenchError(f"recipe {recipe.name}: SmoothQuant is implemented for the Llama family (its scales fold "
+                          f"into RMSNorm weights); {model.config.model_type} is not; drop the smoothquant section")
     if getattr(model, model.embed_attr) is None and _head_scheme(model, recipe) is None and ws.embedding != "fp32":
         raise QBenchError(f"recipe {recipe.name}: weights.embedding: {ws.embedding} on a model with tied embeddings "
                           f"would change its output head too; quantize the head as well (weights.lm_head) or "
@@ -151,17 +157,19 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
     res = QuantResult()
     todo = targets(model, recipe)
     quantize_embedding(model, recipe, res)
-    if ws.method == "rtn":
+    if not recipe.needs_calibration:
         for path in todo:
             if path == "lm_head":
                 _head_rtn(model, recipe, res)
                 continue
             W = _get(model, path).weight.float()
-            _replace(model, path, rtn(W, ws.bits, ws.group_size, ws.symmetric), W, None, res, ws.activations)
+            _replace(model, path, rtn(W, ws.bits, ws.group_size, ws.symmetric, ws.type), W, None, res,
+                     ws.activations)
         res.seconds = time.perf_counter() - t0
         return res
     if calib is None:
-        raise QBenchError(f"recipe {recipe.name}: {ws.method} needs calibration data")
+        raise QBenchError(f"recipe {recipe.name}: {ws.method}"
+                          f"{' with smoothquant' if recipe.smoothquant else ''} needs calibration data")
     with torch.inference_mode():
         positions = torch.arange(calib.shape[1]).expand_as(calib)
         x = model.embed(calib, positions)  # (S, T, H)
@@ -172,6 +180,8 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                               hessian=ws.method == "gptq")
             if ws.method == "awq":
                 _awq_block(model, block, bi, inputs, recipe, res)
+            if recipe.smoothquant is not None:
+                _smoothquant_block(model, block, bi, inputs, recipe, res)
             for name in names:
                 W = _get(model, name).weight.float()
                 if ws.method == "gptq":
@@ -182,7 +192,8 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
                 _replace(model, name, q, W, inputs[name[len(prefix):]], res, ws.activations)
             x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
-            log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method})")
+            log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method}"
+                f"{' + smoothquant' if recipe.smoothquant else ''})")
         if "lm_head" in todo:
             _head_rtn(model, recipe, res)
     res.seconds = time.perf_counter() - t0
@@ -204,6 +215,8 @@ def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hes
                                                                            store.get("n:" + name, 0))
             keep = xin if xin.shape[0] <= max_tokens else xin[torch.randperm(xin.shape[0], generator=g)[:max_tokens]]
             store[name] = keep.clone()
+            amax = xin.abs().amax(0)  # every token's, for SmoothQuant
+            store["max:" + name] = amax if "max:" + name not in store else torch.maximum(store["max:" + name], amax)
         return fn
 
     for n in names:
@@ -218,11 +231,8 @@ def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hes
 
 def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantResult) -> None:
     """Search and fold AWQ scales for one Llama block; updates the captured inputs to match."""
-    ws, cfg = recipe.weights, model.config
-    mappings = [("input_norm", ["qkv"], "qkv"), ("post_norm", ["gate_up"], "gate_up"), ("up", ["down_proj"], "down_proj")]
-    if cfg.num_kv_heads == cfg.num_heads:
-        mappings.append(("v", ["o_proj"], "o_proj"))
-    for smooth, balance, xname in mappings:
+    ws = recipe.weights
+    for smooth, balance, xname in smoothing.mappings(model.config):
         if xname not in inputs:
             continue
         X = inputs[xname]
@@ -230,22 +240,35 @@ def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantRe
         s, rec = awq.search_scales(X, W, ws.bits, ws.group_size, ws.symmetric, recipe.awq.grid)
         rec.update({"block": bi, "smooth": smooth, "balance": balance})
         res.layers.append({"module": f"blocks.{bi}.{balance[0]}", "awq": rec})
-        for b in balance:
-            lin = block.get_submodule(b)
-            lin.set_weight(lin.weight.float() * s)
-        if smooth in ("input_norm", "post_norm"):
-            norm = block.get_submodule(smooth)
-            norm.weight.data = norm.weight.data / s
-        elif smooth == "up":
-            I = block.inter
-            W_gu = block.gate_up.weight.float().clone()
-            W_gu[I:] /= s[:, None]
-            block.gate_up.set_weight(W_gu)
-        elif smooth == "v":
-            nh, nkv, hd = block.nh, block.nkv, block.hd
-            W_qkv = block.qkv.weight.float().clone()
-            W_qkv[(nh + nkv) * hd:] /= s[:, None]
-            block.qkv.set_weight(W_qkv)
-        inputs[xname] = X / s  # the balance layers now see x / s
-        if "H:" + xname in inputs:
-            inputs["H:" + xname] = inputs["H:" + xname] / torch.outer(s, s).double()
+        _fold(block, smooth, balance, s, inputs, xname)
+
+
+def _smoothquant_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantResult) -> None:
+    """SmoothQuant's scales for one Llama block, from every calibration token's per-channel max |x|, with the
+    recipe's alpha or the best one of ``smoothing.ALPHA_GRID`` per mapping; folded as AWQ's are."""
+    ws, sq, cfg = recipe.weights, recipe.smoothquant, model.config
+    for smooth, balance, xname in smoothing.mappings(cfg, shared_v=True):
+        if xname not in inputs:
+            continue
+        X, x_max = inputs[xname], inputs["max:" + xname]
+        W = torch.cat([block.get_submodule(b).weight.float() for b in balance])
+        tie = (lambda t: smoothing.tie_groups(t, cfg.num_kv_heads, cfg.head_dim)) if smooth == "v" else None
+        rec = {"block": bi, "smooth": smooth, "balance": balance, "alpha": sq.alpha}
+        if sq.search:
+            _, found = smoothing.search_alpha(X, x_max, W, ws.bits, ws.group_size, ws.symmetric, tie=tie)
+            rec.update(found)
+        s = smoothing.smoothquant_scales(x_max, W, rec["alpha"], tie)
+        rec["outlier_ratio_before"] = (x_max.max() / x_max.median().clamp(min=1e-8)).item()  # max / median of
+        rec["outlier_ratio_after"] = ((x_max / s).max() / (x_max / s).median().clamp(min=1e-8)).item()  # max|x_j|
+        res.layers.append({"module": f"blocks.{bi}.{balance[0]}", "smoothquant": rec})
+        _fold(block, smooth, balance, s, inputs, xname)
+
+
+def _fold(block, smooth: str, balance: list[str], s: torch.Tensor, inputs: dict, xname: str) -> None:
+    """Fold s into the block and update the captured inputs to match: the balance layers now see x / s."""
+    smoothing.fold(block, smooth, balance, s)
+    inputs[xname] = inputs[xname] / s
+    if "max:" + xname in inputs:
+        inputs["max:" + xname] = inputs["max:" + xname] / s
+    if "H:" + xname in inputs:
+        inputs["H:" + xname] = inputs["H:" + xname] / torch.outer(s, s).double()

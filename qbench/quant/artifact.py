@@ -28,7 +28,8 @@ from qbench.models.base import CausalLM
 from qbench.models.config import ModelConfig
 from qbench.models.weights import LazyTensors, Weights, read_header
 from qbench.paths import sha256_file
-from qbench.quant.primitives import QTensor, activations_fit, pack_int4, padded_width, storage_bytes, unpack_int4
+from qbench.quant.primitives import TYPES, QTensor, activations_fit, pack_int4, padded_width, storage_bytes, \
+    unpack_int4
 from qbench.quant.qlinear import make_qlinear
 
 FORMAT = "qbench-quant/1"
@@ -47,13 +48,14 @@ def split_rows(q: QTensor, parts: list[tuple[str, int]]) -> dict[str, QTensor]:
     for name, n in parts:
         rows = slice(r, r + n)
         out[name] = QTensor(q.bits, q.codes[rows], q.scale[rows], None if q.zero is None else q.zero[rows],
-                            q.group_size, (n, q.shape[1]), q.activations)
+                            q.group_size, (n, q.shape[1]), q.activations, q.type)
         r += n
     return out
 
 
 def qtensor_tensors(name: str, q: QTensor) -> dict[str, torch.Tensor]:
-    t = {f"{name}.qweight": (pack_int4(q.codes) if q.bits == 4 else q.codes).contiguous(),
+    codes = q.codes.view(torch.float8_e4m3fn) if q.type == "float" else q.codes  # FP8 stored as F8_E4M3
+    t = {f"{name}.qweight": (pack_int4(codes) if q.bits == 4 else codes).contiguous(),
          f"{name}.scales": q.scale.contiguous()}
     if q.zero is not None:
         t[f"{name}.zeros"] = q.zero.contiguous()
@@ -65,6 +67,8 @@ def tensor_scheme(q: QTensor) -> dict:
     scheme = {"bits": q.bits, "group_size": q.group_size, "symmetric": q.symmetric}
     if q.activations != "fp32":  # recorded only when set: weight-only artifacts stay byte for byte as before
         scheme["activations"] = q.activations
+    if q.type != "int":
+        scheme["type"] = q.type
     return scheme
 
 
@@ -223,20 +227,27 @@ class QuantFactory:
         bits, group, sym = scheme["bits"], scheme.get("group_size"), scheme["symmetric"]
         got = {}
         for suffix, shape in expected_shapes(scheme, n, k).items():
-            t = w.tensors.get(key + suffix)
+            t = w.tensors.get(key + suffix, keep_dtype=True)
             if t is None or tuple(t.shape) != shape:
                 raise QBenchError(f"{self.where}: the manifest's {bits}-bit scheme needs {key + suffix} of shape "
                                   f"{shape}, the tensors have {None if t is None else tuple(t.shape)}; the manifest "
                                   f"does not match the weights: re-create the artifact")
             got[suffix] = t
-        acts = scheme.get("activations", "fp32")
-        if not activations_fit(acts, bits):
-            raise QBenchError(f"{self.where}: {MANIFEST} gives {key} activations {acts!r} with {bits}-bit weights, "
-                              f"which qbench never writes (int8 activations go with INT4 weights only); the "
-                              f"manifest was edited or damaged: re-create the artifact")
-        codes = unpack_int4(got[".qweight"]) if bits == 4 else got[".qweight"].to(torch.int8)
+        acts, kind = scheme.get("activations", "fp32"), scheme.get("type", "int")
+        if not activations_fit(acts, bits) or kind not in TYPES or kind == "float" and (bits != 8 or acts != "fp32"):
+            raise QBenchError(f"{self.where}: {MANIFEST} gives {key} {kind} {bits}-bit weights with {acts!r} "
+                              f"activations, which qbench never writes; the manifest was edited or damaged: "
+                              f"re-create the artifact")
+        stored = got[".qweight"].dtype
+        if (stored == torch.float8_e4m3fn) != (kind == "float"):
+            raise QBenchError(f"{self.where}: {key}.qweight is {stored}, the manifest says {kind} {bits}-bit; "
+                              f"re-create the artifact")
+        if kind == "float":  # the loader has checked the codes are finite (no e4m3 NaN byte)
+            codes = got[".qweight"].view(torch.uint8)
+        else:
+            codes = unpack_int4(got[".qweight"]) if bits == 4 else got[".qweight"].to(torch.int8)
         return QTensor(bits, codes, got[".scales"].half(), got[".zeros"].to(torch.uint8) if not sym else None,
-                       group if bits == 4 else None, (n, k), acts)
+                       group if bits == 4 else None, (n, k), acts, kind)
 
     def __call__(self, w: Weights, names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
         keys = [self._key(w, n) for n in names]
@@ -246,12 +257,12 @@ class QuantFactory:
         if any(k is None for k in keys):
             raise QBenchError(f"{self.where}: {names} are fused at run time but only some are quantized")
         qs = [self.qtensor(w, key, n, k) for key, (n, k) in zip(keys, shapes)]
-        if len({(x.bits, x.group_size, x.symmetric, x.activations) for x in qs}) > 1:
+        if len({(x.bits, x.group_size, x.symmetric, x.activations, x.type) for x in qs}) > 1:
             raise QBenchError(f"{self.where}: {names} are fused at run time but stored under different schemes")
         q = qs[0] if len(qs) == 1 else QTensor(
             qs[0].bits, torch.cat([x.codes for x in qs]), torch.cat([x.scale for x in qs]),
             None if qs[0].zero is None else torch.cat([x.zero for x in qs]), qs[0].group_size,
-            (sum(x.shape[0] for x in qs), qs[0].shape[1]), qs[0].activations)
+            (sum(x.shape[0] for x in qs), qs[0].shape[1]), qs[0].activations, qs[0].type)
         biases = [w.maybe(n + ".bias") for n in names]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else torch.zeros(s[0]) for b, s in zip(biases, shapes)])

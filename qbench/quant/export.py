@@ -7,6 +7,9 @@ input dimension: 8 per word at 4 bits, 4 per word at 8 bits), ``weight_scale``, 
 ``quantization_config`` in config.json. qbench's unsigned codes with the even index in the low
 nibble are exactly those words read little-endian.
 
+FP8 weights (``type: float``) go out in compressed-tensors' ``float-quantized`` format instead: ``weight`` as
+F8_E4M3 (qbench's codes, byte for byte) and ``weight_scale`` (out, 1), with ``type: float`` in the config group.
+
 compressed-tensors requires the input width to be a multiple of the group size. Where it is not
 (SmolLM2's 576 with g128), the layer is exported at the largest group size that divides its width
 (64 there) with each scale repeated across the sub-groups of a group, which dequantizes to the
@@ -52,6 +55,9 @@ def export_group(k: int, group: int) -> int:
 def ct_tensors(name: str, q: QTensor) -> tuple[dict[str, torch.Tensor], int | None]:
     """compressed-tensors tensors for one projection, and the group size they use."""
     N, K = q.shape
+    if q.type == "float":  # float-quantized: the e4m3 bytes as they are, one fp32 scale per output channel
+        return {f"{name}.weight": q.codes.view(torch.float8_e4m3fn).contiguous(),
+                f"{name}.weight_scale": q.scale.float()[:, None].contiguous()}, None
     if q.bits == 8:
         u = (q.codes.to(torch.int16) + 128).to(torch.uint8)
         t = {f"{name}.weight_packed": _pack_words(u, 8), f"{name}.weight_scale": q.scale.float()[:, None]}
@@ -93,14 +99,14 @@ def run_export(artifact: Path, fmt: str, out: Path, force: bool = False) -> Path
                           f"format (linear layers only) cannot hold; export a recipe with embedding fp32, fp16 or "
                           f"bf16, or use --format native")
     if any((info.get("scheme") or {}).get("activations", "fp32") != "fp32" for info in manifest["quantized"].values()):
-        raise QBenchError(f"{artifact}: its INT4 linears take INT8 activations (W4A8), which this export would not "
-                          f"reproduce: compressed-tensors rounds dynamic per-token INT8 on a grid of absmax / 127.5 "
-                          f"(qbench: absmax / 127); export the weight-only recipe with the same codes "
-                          f"(w4g64-head for w4a8g64), or use --format native")
+        raise QBenchError(f"{artifact}: its linears take INT8 activations (W4A8 or W8A8), which this export would "
+                          f"not reproduce: compressed-tensors rounds dynamic per-token INT8 on a grid of absmax / "
+                          f"127.5 (qbench: absmax / 127); export the weight-only recipe with the same codes "
+                          f"(w4g64-head for w4a8g64, w8 for w8a8), or use --format native")
     src = LazyTensors(artifact, torch.float32)  # an fp16 / bf16 table is written as float32, as transformers loads it
     factory = QuantFactory(scheme, manifest["quantized"], str(artifact))
     tensors: dict[str, torch.Tensor] = {}
-    groups: dict[tuple, list[str]] = {}  # (bits, symmetric, group size) -> tensors: an INT8 head is its own group
+    groups: dict[tuple, list[str]] = {}  # (type, bits, symmetric, group size) -> tensors: an INT8 head is its own
     from qbench.models.weights import Weights
     w = Weights(src, str(artifact))
     for name, info in manifest["quantized"].items():
@@ -108,21 +114,26 @@ def run_export(artifact: Path, fmt: str, out: Path, force: bool = False) -> Path
         q = factory.qtensor(w, name, n, k)
         t, g = ct_tensors(name, q)
         tensors.update(t)
-        groups.setdefault((q.bits, q.symmetric, g), []).append(name)
+        groups.setdefault((q.type, q.bits, q.symmetric, g), []).append(name)
+    if len({key[0] for key in groups}) > 1:  # one format per checkpoint: pack-quantized or float-quantized
+        raise QBenchError(f"{artifact}: it mixes FP8 and integer weights, which one compressed-tensors checkpoint "
+                          f"(one format) cannot hold; quantize every linear as FP8 or none, or use --format native")
+    fmt_name = "float-quantized" if next(iter(groups))[0] == "float" else "pack-quantized"
     skip = tuple(f"{n}.{s}" for n in manifest["quantized"] for s in ("qweight", "scales", "zeros"))
     for key in src.keys():
         if key not in skip:
             tensors[key] = src.get(key).contiguous()
     config = json.loads((artifact / "config.json").read_text())
     config_groups = {}
-    for i, ((bits, sym, g), names) in enumerate(sorted(groups.items(), key=lambda kv: (kv[0][0], -(kv[0][2] or 0)))):
-        weights = {"num_bits": bits, "type": "int", "symmetric": sym,
+    for i, ((kind, bits, sym, g), names) in enumerate(sorted(groups.items(),
+                                                             key=lambda kv: (kv[0][1], -(kv[0][3] or 0)))):
+        weights = {"num_bits": bits, "type": kind, "symmetric": sym,
                    "strategy": "channel" if g is None else "group", "group_size": g, "dynamic": False,
                    "observer": "minmax", "actorder": None}
         config_groups[f"group_{i}"] = {"targets": sorted(names), "weights": weights, "input_activations": None,
                                        "output_activations": None}
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "quant_method": "compressed-tensors", "format": fmt_name, "quantization_status": "compressed",
         "config_groups": config_groups, "ignore": ["lm_head"] if "lm_head" not in manifest["quantized"] else [],
         "kv_cache_scheme": None, "global_compression_ratio": None,
     }

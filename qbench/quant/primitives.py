@@ -2,11 +2,13 @@
 
 Conventions (the seeds):
 - INT8: symmetric per output channel, scale = absmax / 127, codes in [-127, 127].
+- FP8 (``type: float``, W8A16): e4m3 (OCP "fn": no infinities, max 448) per output channel, scale = absmax / 448,
+  codes rounded to nearest even by torch's cast and stored as their bytes.
 - INT4: groups of G along the input dimension (G in 32, 64, 128). Symmetric: scale = absmax / 7,
   codes clipped to [-8, 7]. Asymmetric: min/max with an integer zero point, codes in [0, 15].
 - Scales are FP16. An input width that is not a multiple of G pads the last group with zeros.
 - Activations (a recipe's ``activations``): ``fp32``, or ``int8`` per token, dynamic and symmetric
-  (scale = absmax / 127, round to nearest even), for INT4 weights only (W4A8).
+  (scale = absmax / 127, round to nearest even), with INT4 (W4A8) or INT8 (W8A8) weights.
 - Canonical INT4 packing: two nibbles per byte along the input dimension, even index in the
   low nibble, stored as unsigned codes (symmetric codes offset by 8, as compressed-tensors does).
 """
@@ -31,10 +33,15 @@ class QTensor:
     group_size: int | None  # None for per-channel INT8
     shape: tuple[int, int]  # (N, K) before padding
     activations: str = "fp32"  # or "int8": the inputs are quantized per token before they meet the codes
+    type: str = "int"  # or "float": 8-bit codes are FP8 e4m3 bytes (uint8), not integers
 
     @property
     def symmetric(self) -> bool:
         return self.zero is None
+
+
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+TYPES = ("int", "float")
 
 
 def padded_width(k: int, group: int) -> int:
@@ -47,6 +54,20 @@ def quantize_int8(w: torch.Tensor) -> QTensor:
     scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8).half()
     codes = torch.clamp(torch.round(w / scale.float()[:, None]), -127, 127).to(torch.int8)
     return QTensor(8, codes, scale, None, None, tuple(w.shape))
+
+
+def quantize_fp8(w: torch.Tensor) -> QTensor:
+    """FP8 e4m3 per output channel: scale = absmax / 448 (fp16), codes = w / scale cast to e4m3 (round to
+    nearest even; the fp16 scale's rounding can carry a value past 448, which the clamp keeps finite)."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-7).half()
+    codes = (w / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return QTensor(8, codes, scale, None, None, tuple(w.shape), type="float")
+
+
+def fp8_values(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 bytes of e4m3 codes -> their values in fp32."""
+    return codes.view(torch.float8_e4m3fn).float()
 
 
 def int4_params(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -83,6 +104,8 @@ def quantize_int4(w: torch.Tensor, group: int, symmetric: bool = True) -> QTenso
 def dequantize(q: QTensor) -> torch.Tensor:
     """The reference path: codes back to float32 (N, K), one scale per group applied per element."""
     N, K = q.shape
+    if q.type == "float":
+        return fp8_values(q.codes) * q.scale.float()[:, None]
     if q.bits == 8:
         return q.codes.float() * q.scale.float()[:, None]
     codes = q.codes.float().view(N, -1, q.group_size)
@@ -94,15 +117,15 @@ ACTIVATIONS = ("fp32", "int8")
 
 
 def activations_fit(activations: str, bits: int) -> bool:
-    """Whether weights of ``bits`` take ``activations``: int8 inputs go with INT4 weights only (W4A8)."""
-    return activations == "fp32" or (activations == "int8" and bits == 4)
+    """Whether integer weights of ``bits`` take ``activations``: fp32, or int8 with INT4 (W4A8) or INT8 (W8A8)."""
+    return activations in ACTIVATIONS and bits in (4, 8)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., K) -> int8 codes (..., K) and fp32 scales (..., 1): per token (row), symmetric, dynamic.
 
-    The native W4A8 kernel (qbench/kernels/gemm_a8.c) computes the same fp32 scale and reciprocal, so its
-    codes are these, bit for bit."""
+    The native W4A8 and W8A8 kernels (qbench/kernels/gemm_a8.c) compute the same fp32 scale and reciprocal,
+    so their codes are these, bit for bit."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
@@ -111,7 +134,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """What a W4A8 linear multiplies its weights by: x rounded to its int8 grid, in fp32."""
+    """What a W4A8 or W8A8 linear multiplies its weights by: x rounded to its int8 grid, in fp32."""
     codes, scale = quantize_activations(x)
     return codes.float() * scale
 

@@ -1,7 +1,8 @@
 """Thin runtime modules that hold integer weights as buffers and only do forward.
 
 Four implementations of the same math, chosen per module at construction:
-- ``native``: qbench's C kernels (``qbench/kernels/gemm_q.c``), fp32 activations;
+- ``native``: qbench's C kernels (``qbench/kernels/gemm_q.c``: fp32 activations against INT8, INT4 or FP8;
+  ``gemm_a8.c``: per-token INT8 activations against INT4 or INT8, W4A8 / W8A8);
 - ``aten``: torch's ``_weight_int8pack_mm`` / ``_weight_int4pack_mm_for_cpu``, fp32 activations;
 - ``aten-bf16``: the same kernels fed bf16 activations (and bf16 scales), where torch says they are fast;
 - ``reference``: dequantize-then-matmul, the slow path every fast path is tested against.
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
-from qbench.kernels.ops import dequant_i4, dequant_i8
+from qbench.kernels.ops import dequant_f8, dequant_i4, dequant_i8
 from qbench.layers.linear import dense_by_slabs, takes_dense
 from qbench.quant.primitives import QTensor, activations_fit, dequantize, fake_quantize_activations, padded_width
 
@@ -52,11 +53,11 @@ class QuantLinear(torch.nn.Module):
         self.impl = impl or default_impl()
         if self.impl == "native" and not kernels.available():
             self.impl = "aten"
-        self.bits, self.group_size = q.bits, q.group_size
-        self.activations = q.activations  # "int8": every path multiplies per-token int8 activations (W4A8)
+        self.bits, self.group_size, self.type = q.bits, q.group_size, q.type
+        self.activations = q.activations  # "int8": every path multiplies per-token int8 activations (W4A8, W8A8)
         if not activations_fit(q.activations, q.bits):
             raise ValueError(f"{self.activations} activations with {q.bits}-bit weights are not supported "
-                             f"(int8 activations need INT4 weights)")
+                             f"(activations are fp32 or int8; weights INT4 or INT8)")
         self._prepare()
         if self.impl != "reference":
             self.q = None  # the kernel layout is all that runs; the artifact keeps the canonical codes
@@ -87,11 +88,18 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        y = self._matmul(x2, takes_dense(x))
+        y = self._matmul(x2, takes_dense(x) and not self._integer_prefill())
         bias = self._parameters.get("bias")  # None: no bias (then a plain attribute)
         if bias is not None:
             y += bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _integer_prefill(self) -> bool:
+        """Whether int8 activations take the integer kernel at prefill sizes too. On AVX2 its integer dot
+        products (two to four times the multiply-adds per instruction of an fp32 FMA) beat dequantize + oneDNN
+        (2-core EPYC, Qwen2.5-0.5B's shapes at 256 and 1,024 rows: W8A8 50-83 against 34-56 GMAC/s, W4A8
+        62-102 against 33-53); with AVX-512, oneDNN's fp32 GEMM is twice as wide and the dense path stays."""
+        return self.activations == "int8" and self.impl == "native" and kernels.load().qb_isa() < 512
 
     def _kernel_args(self, *names: str) -> list[int]:
         """Addresses of the kernel-layout buffers. Read from ``_buffers`` directly: a decode step makes about
@@ -126,16 +134,40 @@ class Int8Linear(QuantLinear):
             codes, scale = self.codes_nk[ids, : self.in_features], self.scale32[ids]
         return codes.float() * scale.float()[:, None]
 
+    _dequant = staticmethod(dequant_i8)  # the panels -> the dense weight (K, cols), for prefill
+
+    def _gemm(self, lib):
+        return lib.qb_gemm_i8a8 if self.activations == "int8" else lib.qb_gemm_i8
+
     def _matmul(self, x2: torch.Tensor, dense: bool) -> torch.Tensor:
         if self.impl.startswith("aten"):
-            return torch.ops.aten._weight_int8pack_mm(self._aten_input(x2), self.codes_nk, self.scale32).float()
-        if dense:
-            return dense_by_slabs(x2, self.out_features, lambda p0, p1, c: dequant_i8(
+            return torch.ops.aten._weight_int8pack_mm(self._aten_input(self._act(x2)), self.codes_nk,
+                                                      self.scale32).float()
+        if dense:  # prefill: with int8 activations, their grid in fp32 against the dequantized weight
+            return dense_by_slabs(self._act(x2), self.out_features, lambda p0, p1, c: self._dequant(
                 self.panels[p0:p1], self.scale32[p0 * PANEL:], c), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        kernels.load().qb_gemm_i8(x2.data_ptr(), *self._kernel_args("panels", "scale32"), y.data_ptr(),
-                                  x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
+        self._gemm(kernels.load())(x2.data_ptr(), *self._kernel_args("panels", "scale32"), y.data_ptr(),
+                                   x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
         return y
+
+
+class Fp8Linear(Int8Linear):
+    """FP8 e4m3 weights per output channel with fp32 activations (W8A16). The INT8 panels hold the code bytes
+    and qb_gemm_f8 / qb_dequant_f8 widen them as FP8. torch has no CPU kernel for FP8 weights against fp32
+    activations, so where ``aten`` is asked (or the kernels did not build) this runs the reference path."""
+
+    def __init__(self, q: QTensor, bias: torch.Tensor | None, impl: str | None = None):
+        impl = impl or default_impl()
+        super().__init__(q, bias, "reference" if impl.startswith("aten") else impl)
+
+    _dequant = staticmethod(dequant_f8)
+
+    def _gemm(self, lib):
+        return lib.qb_gemm_f8
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("an FP8 head is never shared with the embedding table")
 
 
 class Int4Linear(QuantLinear):
@@ -187,4 +219,6 @@ class Int4Linear(QuantLinear):
 
 
 def make_qlinear(q: QTensor, bias: torch.Tensor | None, impl: str | None = None) -> QuantLinear:
+    if q.type == "float":
+        return Fp8Linear(q, bias, impl)
     return (Int8Linear if q.bits == 8 else Int4Linear)(q, bias, impl)

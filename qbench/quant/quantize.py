@@ -109,7 +109,10 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
         "bits": recipe.weights.bits, "group_size": recipe.weights.group_size,
         "symmetric": recipe.weights.symmetric, "method": recipe.weights.method, "scale_dtype": "float16",
         "packing": "int4: two codes per byte along the input dimension, even index in the low nibble, "
-                   "unsigned codes (symmetric offset by 8)" if recipe.weights.bits == 4 else "int8 codes"}
+                   "unsigned codes (symmetric offset by 8)" if recipe.weights.bits == 4 else
+                   "fp8 e4m3fn codes" if recipe.weights.type == "float" else "int8 codes"}
+    if scheme is not None and recipe.weights.type != "int":  # recorded only when set, as per tensor
+        scheme["type"] = recipe.weights.type
     src_record = {"model": model_spec, "folder": str(folder), "sha256": source_sha256(folder)}
     if (folder / SOURCE_FILE).is_file():
         import json

@@ -12,7 +12,7 @@ from pathlib import Path
 from qbench.errors import QBenchError
 from qbench.inputs import check_fields
 from qbench.layers.kvquant import KVScheme
-from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES, activations_fit
+from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES, TYPES
 from qbench.yamlfile import read_mapping
 
 METHODS = ("rtn", "awq", "gptq")
@@ -69,18 +69,21 @@ class WeightScheme:
     lm_head: bool | HeadScheme = False  # true: the linears' scheme; a mapping: its own (INT8, or INT4 g)
     embedding: str = "fp32"  # how the token embedding table is stored: one of EMBEDDING_SCHEMES
     skip: tuple[str, ...] = ()  # module-name substrings kept in full precision
-    activations: str = "fp32"  # int8: per-token int8 inputs for every INT4 linear, the head too (W4A8)
+    activations: str = "fp32"  # int8: per-token int8 inputs for every quantized linear, the head too (W4A8, W8A8)
+    type: str = "int"  # float: FP8 e4m3 codes per output channel (bits: 8), fp32 activations (W8A16)
 
     def validate(self, where: str) -> None:
         _check_int_scheme(where, "weights", self.bits, self.group_size, self.symmetric)
         if self.activations not in ACTIVATIONS:
             raise RecipeError(f"{where}: weights.activations: {self.activations!r} is not supported (supported: "
                               f"{', '.join(ACTIVATIONS)})")
-        if not activations_fit(self.activations, self.bits):
-            raise RecipeError(f"{where}: weights.activations: int8 needs bits: 4 (W4A8); INT8 weights take fp32 "
-                              f"activations")
         if self.method not in METHODS:
             raise RecipeError(f"{where}: weights.method: {self.method!r} is not one of {', '.join(METHODS)}")
+        if self.type not in TYPES:
+            raise RecipeError(f"{where}: weights.type: {self.type!r} is not supported (supported: {', '.join(TYPES)})")
+        if self.type == "float" and (self.bits != 8 or self.method != "rtn" or self.activations != "fp32"):
+            raise RecipeError(f"{where}: weights.type: float is FP8 e4m3 per output channel: it needs bits: 8, "
+                              f"method: rtn and activations: fp32")
         if isinstance(self.lm_head, HeadScheme):
             self.lm_head.validate(where)
         elif not isinstance(self.lm_head, bool):
@@ -90,11 +93,11 @@ class WeightScheme:
             raise RecipeError(f"{where}: weights.embedding: {self.embedding!r} is not supported (supported: "
                               f"{', '.join(EMBEDDING_SCHEMES)})")
 
-    def head_scheme(self) -> tuple[int, int | None, bool] | None:
-        """(bits, group_size, symmetric) of the output head, or None when it stays in full precision."""
+    def head_scheme(self) -> tuple[int, int | None, bool, str] | None:
+        """(bits, group_size, symmetric, type) of the output head, or None when it stays in full precision."""
         if isinstance(self.lm_head, HeadScheme):
-            return self.lm_head.bits, self.lm_head.group_size, self.lm_head.symmetric
-        return (self.bits, self.group_size, self.symmetric) if self.lm_head else None
+            return self.lm_head.bits, self.lm_head.group_size, self.lm_head.symmetric, "int"
+        return (self.bits, self.group_size, self.symmetric, self.type) if self.lm_head else None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,23 @@ class AWQOptions:
 
 
 @dataclass(frozen=True)
+class SmoothQuantOptions:
+    """SmoothQuant's smoothing (Xiao et al., 2023) before the weights are quantized: per input channel,
+    s = max|X|^alpha / max|W|^(1 - alpha) from the calibration windows, folded into the RMSNorm before q/k/v
+    and gate/up, into up before down and into v before o (one scale per V row, shared by the query heads of
+    its group). ``search``: per mapping, the alpha of 0 .. 1 (step 0.05) whose smoothed, quantized layer is
+    closest to the fp one on the calibration inputs."""
+    alpha: float = 0.5
+    search: bool = False
+
+    def validate(self, where: str) -> None:
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+            raise RecipeError(f"{where}: smoothquant.alpha: {self.alpha!r} must be a number in [0, 1]")
+        if not isinstance(self.search, bool):
+            raise RecipeError(f"{where}: smoothquant.search: {self.search!r} must be true or false")
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     description: str = ""
@@ -148,17 +168,19 @@ class Recipe:
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     awq: AWQOptions = field(default_factory=AWQOptions)
     kv: KVScheme | None = None  # None: a full-precision KV cache
+    smoothquant: SmoothQuantOptions | None = None  # None: no smoothing
 
     @property
     def needs_calibration(self) -> bool:
-        return self.weights is not None and self.weights.method != "rtn"
+        return self.weights is not None and (self.weights.method != "rtn" or self.smoothquant is not None)
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
         return asdict(self)
 
 
-SECTIONS = {"weights": WeightScheme, "calibration": Calibration, "gptq": GPTQOptions, "awq": AWQOptions}
+SECTIONS = {"weights": WeightScheme, "calibration": Calibration, "gptq": GPTQOptions, "awq": AWQOptions,
+            "smoothquant": SmoothQuantOptions}
 
 
 def recipe_from_dict(data: dict, where: str) -> Recipe:
@@ -188,6 +210,14 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
         kwargs[section] = obj
     if data.get("kv") is not None:
         kwargs["kv"] = kv_from_dict(data["kv"], where)
+    if "smoothquant" in kwargs:
+        ws = kwargs.get("weights")
+        if ws is None or ws.activations != "int8":
+            raise RecipeError(f"{where}: smoothquant: smoothing serves int8 activations; set weights.activations: "
+                              f"int8, or drop the smoothquant section")
+        if ws.method == "awq":
+            raise RecipeError(f"{where}: smoothquant: AWQ folds its own scales into the same norms; use method rtn "
+                              f"or gptq with smoothquant")
     return Recipe(**kwargs)
 
 
