@@ -6,8 +6,6 @@ import json
 import pytest
 import torch
 
-from qbench.engine.engine import Engine
-from qbench.engine.sampling import SamplingParams
 from qbench.errors import QBenchError
 from qbench.kernels import build
 from qbench.layers.attention import AttnMetadata
@@ -65,16 +63,6 @@ def test_every_path_matches_dequantize_then_matmul(impl, N, K, M):
     assert lin.impl == ("native" if impl == "native" else "reference")  # no aten kernel for FP8 weights
     tol = 2e-6 * K ** 0.5 * (x.double().abs() @ Wd.abs().t()).max() + 1e-6
     assert (lin(x).double() - ref).abs().max() <= tol
-
-
-@native
-def test_a_rows_result_does_not_depend_on_its_batch():
-    q, g = _fp8(40, 300, 3)
-    lin = make_qlinear(q, None, "native")
-    x = torch.randn(13, 300, generator=g)
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
-    for M in range(2, 14):
-        assert torch.equal(lin(x[:M]), alone[:M])
 
 
 def test_the_recipe_checks(tmp_path):
@@ -168,16 +156,3 @@ def test_an_export_mixing_fp8_and_integer_weights_is_refused(tiny_models, tmp_pa
     with pytest.raises(QBenchError, match="mixes FP8 and integer weights"):
         run_export(tmp_path / "art", "compressed-tensors", tmp_path / "ct")
     assert not (tmp_path / "ct").exists()
-
-
-def test_batched_equals_sequential(tiny_models):
-    folder, _ = tiny_models["qwen2"]
-    from qbench.models.registry import load_model
-    from qbench.quant.apply import quantize_model
-    model = load_model(folder)
-    quantize_model(model, load_recipe("fp8"), None, log=lambda *a: None)
-    prompts = [[5, 6, 7], list(range(10, 30)), list(range(40, 49))]
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    together = [s.output_ids for s in Engine(model, block_size=4).generate(prompts, params)]
-    alone = [Engine(model, block_size=4).generate([p], params)[0].output_ids for p in prompts]
-    assert together == alone

@@ -147,8 +147,8 @@ class SmoothQuantOptions:
     """SmoothQuant's smoothing (Xiao et al., 2023) before the weights are quantized: per input channel,
     s = max|X|^alpha / max|W|^(1 - alpha) from the calibration windows, folded into the RMSNorm before q/k/v
     and gate/up, into up before down and into v before o (one scale per V row, shared by the query heads of
-    its group). ``search``: per mapping, the alpha of 0 .. 1 (step 0.05) whose smoothed, quantized layer is
-    closest to the fp one on the calibration inputs."""
+    its group). ``search``: per mapping, the alpha of 0 .. 1 (step 0.1) whose smoothed, quantized layer is
+    closest to the fp one on 1,024 of the calibration tokens."""
     alpha: float = 0.5
     search: bool = False
 
