@@ -161,3 +161,12 @@ def test_llama_cpp_decodes_a_batch_of_sequences_in_one_call_per_step(smollm2):
     alone = [run_llama_cpp(gguf_path(smollm2), [p], 6, 2)["tokens"][0] for p in prompts]
     assert sum(a[:3] == b[:3] for a, b in zip(alone, batched["tokens"])) >= 2
     assert "AVX" in llama_cpp_build() or "NEON" in llama_cpp_build()
+
+
+def test_a_short_run_has_one_quarter_per_step():
+    # --gen-len 4 gives three decode steps: the quarters must not ask the mean of an empty slice
+    from qbench.bench.runner import summarize
+    out = summarize({"batch": 2, "prefill_s": 0.5, "decode_s": [0.1, 0.2, 0.3]}, 64)
+    assert [round(x) for x in out["step_ms_by_quarter"]] == [100, 200, 300] and out["decode_steps"] == 3
+    four = summarize({"batch": 1, "prefill_s": 0.5, "decode_s": [0.1] * 9}, 64)
+    assert len(four["step_ms_by_quarter"]) == 4

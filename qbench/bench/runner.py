@@ -77,7 +77,8 @@ def summarize(raw: dict, prompt_tokens: int) -> dict:
         "step_ms": {"mean": statistics.fmean(ms), "p50": ms[n // 2], "p90": ms[min(n - 1, int(0.9 * n))],
                     "max": ms[-1]},
         # mean step time per quarter of the run: flat when the cache works, rising without it
-        "step_ms_by_quarter": [1000 * statistics.fmean(steps[i: i + q]) for i in range(0, q * 4, q)][:4],
+        # (fewer than four steps, as at --gen-len 4: one entry per step)
+        "step_ms_by_quarter": [1000 * statistics.fmean(steps[i: i + q]) for i in range(0, min(q * 4, n), q)],
     }
     return out
 
