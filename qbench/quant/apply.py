@@ -177,7 +177,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
             prefix = f"blocks.{bi}."
             names = [p for p in todo if p.startswith(prefix)]
             inputs = _capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens,
-                              hessian=ws.method == "gptq")
+                              hessian=ws.method == "gptq", maxima=recipe.smoothquant is not None)
             if ws.method == "awq":
                 _awq_block(model, block, bi, inputs, recipe, res)
             if recipe.smoothquant is not None:
@@ -189,7 +189,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     q = gptq.gptq_quantize(W, H, ws.bits, ws.group_size, ws.symmetric, recipe.gptq.damp,
                                            recipe.gptq.block_size, recipe.gptq.act_order)
                 else:
-                    q = rtn(W, ws.bits, ws.group_size, ws.symmetric)
+                    q = rtn(W, ws.bits, ws.group_size, ws.symmetric, ws.type)
                 _replace(model, name, q, W, inputs[name[len(prefix):]], res, ws.activations)
             x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method}"
@@ -200,7 +200,8 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
     return res
 
 
-def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hessian: bool = True) -> dict:
+def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hessian: bool = True,
+             maxima: bool = True) -> dict:
     """Inputs of the named linears of ``block`` on x: a token subsample for AWQ and errors, and the
     full Hessian (under "H:name") for GPTQ."""
     store: dict = {}
@@ -215,8 +216,9 @@ def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hes
                                                                            store.get("n:" + name, 0))
             keep = xin if xin.shape[0] <= max_tokens else xin[torch.randperm(xin.shape[0], generator=g)[:max_tokens]]
             store[name] = keep.clone()
-            amax = xin.abs().amax(0)  # every token's, for SmoothQuant
-            store["max:" + name] = amax if "max:" + name not in store else torch.maximum(store["max:" + name], amax)
+            if maxima:  # every token's per-channel max |x| (under "max:name"), for SmoothQuant
+                amax = xin.abs().amax(0)
+                store["max:" + name] = amax if "max:" + name not in store else torch.maximum(store["max:" + name], amax)
         return fn
 
     for n in names:

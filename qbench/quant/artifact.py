@@ -28,8 +28,7 @@ from qbench.models.base import CausalLM
 from qbench.models.config import ModelConfig
 from qbench.models.weights import LazyTensors, Weights, read_header
 from qbench.paths import sha256_file
-from qbench.quant.primitives import TYPES, QTensor, activations_fit, pack_int4, padded_width, storage_bytes, \
-    unpack_int4
+from qbench.quant.primitives import QTensor, pack_int4, padded_width, scheme_fits, storage_bytes, unpack_int4
 from qbench.quant.qlinear import make_qlinear
 
 FORMAT = "qbench-quant/1"
@@ -234,7 +233,7 @@ class QuantFactory:
                                   f"does not match the weights: re-create the artifact")
             got[suffix] = t
         acts, kind = scheme.get("activations", "fp32"), scheme.get("type", "int")
-        if not activations_fit(acts, bits) or kind not in TYPES or kind == "float" and (bits != 8 or acts != "fp32"):
+        if not scheme_fits(bits, acts, kind):
             raise QBenchError(f"{self.where}: {MANIFEST} gives {key} {kind} {bits}-bit weights with {acts!r} "
                               f"activations, which qbench never writes; the manifest was edited or damaged: "
                               f"re-create the artifact")

@@ -116,9 +116,12 @@ def dequantize(q: QTensor) -> torch.Tensor:
 ACTIVATIONS = ("fp32", "int8")
 
 
-def activations_fit(activations: str, bits: int) -> bool:
-    """Whether integer weights of ``bits`` take ``activations``: fp32, or int8 with INT4 (W4A8) or INT8 (W8A8)."""
-    return activations in ACTIVATIONS and bits in (4, 8)
+def scheme_fits(bits: int, activations: str, type: str = "int") -> bool:
+    """Whether qbench runs this weight scheme: integer INT4 / INT8 weights with fp32 or int8 activations (W4A8,
+    W8A8), or FP8 weights (8 bits) with fp32 activations."""
+    if type == "float":
+        return bits == 8 and activations == "fp32"
+    return type == "int" and activations in ACTIVATIONS and bits in (4, 8)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

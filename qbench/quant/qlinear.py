@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from qbench.kernels import build as kernels
 from qbench.kernels.ops import dequant_f8, dequant_i4, dequant_i8
 from qbench.layers.linear import dense_by_slabs, takes_dense
-from qbench.quant.primitives import QTensor, activations_fit, dequantize, fake_quantize_activations, padded_width
+from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, padded_width, \
+    scheme_fits
 
 PANEL = 16
 # From ``linear.DENSE_ROWS`` rows per sequence on, the native path dequantizes the weight once per call and
@@ -55,7 +56,7 @@ class QuantLinear(torch.nn.Module):
             self.impl = "aten"
         self.bits, self.group_size, self.type = q.bits, q.group_size, q.type
         self.activations = q.activations  # "int8": every path multiplies per-token int8 activations (W4A8, W8A8)
-        if not activations_fit(q.activations, q.bits):
+        if not scheme_fits(q.bits, q.activations, q.type):
             raise ValueError(f"{self.activations} activations with {q.bits}-bit weights are not supported "
                              f"(activations are fp32 or int8; weights INT4 or INT8)")
         self._prepare()

@@ -12,7 +12,7 @@ from pathlib import Path
 from qbench.errors import QBenchError
 from qbench.inputs import check_fields
 from qbench.layers.kvquant import KVScheme
-from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES, TYPES
+from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES, TYPES, scheme_fits
 from qbench.yamlfile import read_mapping
 
 METHODS = ("rtn", "awq", "gptq")
@@ -81,7 +81,7 @@ class WeightScheme:
             raise RecipeError(f"{where}: weights.method: {self.method!r} is not one of {', '.join(METHODS)}")
         if self.type not in TYPES:
             raise RecipeError(f"{where}: weights.type: {self.type!r} is not supported (supported: {', '.join(TYPES)})")
-        if self.type == "float" and (self.bits != 8 or self.method != "rtn" or self.activations != "fp32"):
+        if self.type == "float" and (self.method != "rtn" or not scheme_fits(self.bits, self.activations, "float")):
             raise RecipeError(f"{where}: weights.type: float is FP8 e4m3 per output channel: it needs bits: 8, "
                               f"method: rtn and activations: fp32")
         if isinstance(self.lm_head, HeadScheme):
