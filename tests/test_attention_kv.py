@@ -11,7 +11,7 @@ from qbench.engine.sampling import SamplingParams
 from qbench.kernels import build, ops
 from qbench.layers.attention import AttnMetadata, build_mask
 from qbench.layers.kv import QuantBlockKV
-from qbench.layers.kvquant import KVScheme
+from qbench.layers.kvscheme import KVScheme
 from qbench.models.registry import load_model
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason="no native kernels on this machine")

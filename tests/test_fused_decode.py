@@ -9,7 +9,7 @@ from qbench.engine.engine import Engine
 from qbench.engine.sampling import SamplingParams
 from qbench.kernels import build
 from qbench.layers import fused_decode
-from qbench.layers.kvquant import KVScheme
+from qbench.layers.kvscheme import KVScheme
 from qbench.models.registry import load_model
 from qbench.quant.apply import quantize_model
 from qbench.quant.recipe import load_recipe

@@ -8,7 +8,7 @@ from qbench.engine.engine import Engine
 from qbench.engine.sampling import SamplingParams
 from qbench.engine.sequence import Sequence
 from qbench.layers import kvquant as kq
-from qbench.layers.kvquant import KVScheme
+from qbench.layers.kvscheme import KVScheme
 from qbench.models.registry import load_model
 
 UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70))]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from qbench.layers.kvquant import (KVScheme, dequantize_fp8_per_token, dequantize_k_per_channel,
-                                   dequantize_per_tensor, dequantize_v_per_token, pack_bits,
-                                   quantize_fp8_per_token, quantize_k_per_channel, quantize_k_per_token,
-                                   quantize_per_tensor, quantize_v_per_token, unpack_bits)
+from qbench.layers.kvquant import (dequantize_fp8_per_token, dequantize_k_per_channel, dequantize_per_tensor,
+                                   dequantize_v_per_token, pack_bits, quantize_fp8_per_token, quantize_k_per_channel,
+                                   quantize_k_per_token, quantize_per_tensor, quantize_v_per_token, unpack_bits)
+from qbench.layers.kvscheme import KVScheme
 
 G = torch.Generator().manual_seed(0)
 

@@ -8,7 +8,7 @@ from qbench.engine.engine import Engine
 from qbench.engine.radix import RadixCache
 from qbench.engine.sampling import SamplingParams
 from qbench.engine.sequence import Sequence
-from qbench.layers.kvquant import KVScheme
+from qbench.layers.kvscheme import KVScheme
 from qbench.models.registry import load_model
 
 SP = SamplingParams()

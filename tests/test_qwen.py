@@ -36,7 +36,7 @@ def test_batched_equals_sequential_and_equals_transformers(models):
 
 @pytest.mark.skipif(not build.available(), reason="native kernels not built here")
 def test_the_one_call_decode_step_equals_the_layer_by_layer_step(models, monkeypatch):
-    from qbench.layers.kvquant import KVScheme
+    from qbench.layers.kvscheme import KVScheme
 
     ours, _, tok = models
     one_call_step_equals_layer_by_layer(ours, tok, monkeypatch)

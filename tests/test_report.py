@@ -67,7 +67,10 @@ def test_the_report_holds_every_variants_numbers_from_the_records(runs, tmp_path
     assert f"Code: every run by qbench {next(iter(commits))[:12]}" in md
     html = (out / "report.html").read_text()
     srcs = re.findall(r"src='([^']*)'", html)
-    assert len(srcs) == len(s["figures"]) == 4 and all(x.startswith("data:image/png;base64,") for x in srcs)
+    assert len(srcs) == len(s["figures"]) == 5 and all(x.startswith("data:image/png;base64,") for x in srcs)
+    assert "kv_pareto" in s["figures"]  # needle against one 16k sequence's KV bytes: the caches differ
+    assert base["kv_bytes_per_sequence_16k"] == 16384 * 46080 and kv4["kv_bytes_per_sequence_16k"] == (
+        16384 * 7920 + 30 * 2 * 16 * 3 * 64 * 4)  # the residual window: 16 fp32 tokens, K and V
     assert "http://" not in html and "https://" not in html  # nothing to fetch: one self-contained file
     for f in s["figures"]:
         assert (out / "figures" / f"{f}.png").read_bytes()[:4] == b"\x89PNG"

@@ -31,7 +31,7 @@ def test_batched_equals_sequential_and_equals_transformers(models):
 
 @pytest.mark.skipif(not build.available(), reason="native kernels not built here")
 def test_the_one_call_decode_step_equals_the_layer_by_layer_step(models, smollm2, monkeypatch):
-    from qbench.layers.kvquant import KVScheme
+    from qbench.layers.kvscheme import KVScheme
     from qbench.models.registry import load_model
     from qbench.quant.apply import quantize_model
     from qbench.quant.recipe import load_recipe

@@ -64,11 +64,13 @@ def describe_bandwidth(bw: dict) -> str:
 
 
 def step_bytes(weight_bytes: int, kv_bytes_per_token: float, batch: int, prompt_len: int, gen_len: int,
-               kv_bytes_per_sequence: int = 0) -> int:
+               kv_bytes_per_sequence: int = 0, mean_ctx: float | None = None) -> int:
     """Bytes one decode step reads, averaged over the run: the weights it uses once, plus the KV cache of
     every sequence, whose context grows from ``prompt_len`` to ``prompt_len + gen_len - 1`` (and a
-    quantized cache's full-precision residual window, a fixed size per sequence)."""
-    mean_ctx = prompt_len + (gen_len - 1) / 2
+    quantized cache's full-precision residual window, a fixed size per sequence). ``mean_ctx``: the tokens a
+    step read per sequence, measured, where eviction keeps fewer than the context."""
+    if mean_ctx is None:
+        mean_ctx = prompt_len + (gen_len - 1) / 2
     return int(weight_bytes + batch * (mean_ctx * kv_bytes_per_token + kv_bytes_per_sequence))
 
 
@@ -78,7 +80,8 @@ def attach(row: dict, bandwidth: float, prompt_len: int, gen_len: int) -> None:
     if w is None:
         return
     kv = row.get("decode_kv_bytes_per_token", 0)
-    per_step = step_bytes(w, kv, row["batch"], prompt_len, gen_len, row.get("decode_kv_bytes_per_sequence", 0))
+    per_step = step_bytes(w, kv, row["batch"], prompt_len, gen_len, row.get("decode_kv_bytes_per_sequence", 0),
+                          row.get("decode_context"))
     ceiling = row["batch"] * bandwidth / per_step
     row["roofline"] = {"bytes_per_step": per_step, "weight_bytes_per_step": w, "kv_bytes_per_token": kv,
                        "ceiling_tok_s": ceiling, "fraction": row["decode_tok_s"] / ceiling}

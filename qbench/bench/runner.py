@@ -114,7 +114,7 @@ def run_case(case: dict) -> dict:
             runner = HFBackend(hf, 10 ** 9, set(), pad_id=tok.pad_token_id or 0)
             res.update(_hf_sizes(hf, folder, esize))
         else:
-            from qbench.layers.kvquant import kv_memory
+            from qbench.layers.kvscheme import kv_memory
             from qbench.quant.artifact import artifact_kv_scheme, is_artifact, load_artifact
             from qbench.quant.recipe import load_kv_scheme
             scheme = None
@@ -150,6 +150,10 @@ def run_case(case: dict) -> dict:
             res["decode_path"] = "one call per step" if runner.runner.fused else "layer by layer"
             res["kv_bytes_reserved"] = runner.pool.nbytes
             res["kv_bytes_used"] = sum(len(s) - 1 for s in seqs) * runner.pool.bytes_per_token
+            if runner.eviction is not None:  # what the sequences held at most while decoding, and read per step
+                res["kv_bytes_used"] = st.decode_blocks * runner.pool.block_nbytes
+                res["decode_context"] = sum(st.decode_context) / max(sum(st.decode_batch), 1)
+                res["kv_eviction"] = runner.eviction.describe()
             res["kv_bytes_per_token"] = runner.pool.bytes_per_token
             # a quantized cache also reads its full-precision residual window, a fixed size per sequence
             res["decode_kv_bytes_per_token"] = res["kv"]["bytes_per_token"]

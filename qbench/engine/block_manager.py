@@ -66,8 +66,9 @@ class BlockManager:
             self.free_blocks.append(block)
 
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
-        """Make ``seq``'s table cover ``num_tokens`` tokens, allocating only at boundaries."""
-        need = self.blocks_for(num_tokens) - len(seq.block_table)
+        """Make ``seq``'s table cover its first ``num_tokens`` tokens (less those evicted), allocating only at
+        boundaries."""
+        need = self.blocks_for(num_tokens - seq.evicted) - len(seq.block_table)
         if need > self.num_free:
             raise OutOfBlocks(f"need {need} blocks, {self.num_free} free")
         for _ in range(max(need, 0)):
@@ -75,10 +76,11 @@ class BlockManager:
 
     def blocks_to_write(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks a write of positions [num_cached, num_tokens) needs: new ones past the table, plus a
-        copy of a shared partial block that the write starts in."""
-        need = max(self.blocks_for(num_tokens) - len(seq.block_table), 0)
-        j = seq.num_cached // self.block_size
-        if seq.num_cached % self.block_size and j < len(seq.block_table) and self.ref_count[seq.block_table[j]] > 1:
+        copy of a shared partial block that the write starts in. Positions count evicted tokens; the cache
+        holds them less ``seq.evicted``."""
+        need = max(self.blocks_for(num_tokens - seq.evicted) - len(seq.block_table), 0)
+        j = seq.kv_len // self.block_size
+        if seq.kv_len % self.block_size and j < len(seq.block_table) and self.ref_count[seq.block_table[j]] > 1:
             need += 1
         return need
 
@@ -87,9 +89,9 @@ class BlockManager:
         extend the table. Only a partial block can be written to; a full shared block is read-only."""
         if self.blocks_to_write(seq, num_tokens) > self.num_free:
             raise OutOfBlocks(f"need {self.blocks_to_write(seq, num_tokens)} blocks, {self.num_free} free")
-        j = seq.num_cached // self.block_size
+        j = seq.kv_len // self.block_size
         if j < len(seq.block_table) and self.ref_count[seq.block_table[j]] > 1:
-            assert seq.num_cached % self.block_size, "a full shared block is never written"
+            assert seq.kv_len % self.block_size, "a full shared block is never written"
             old, new = seq.block_table[j], self.allocate()
             self.copy_block(old, new)
             self.decref(old)
@@ -102,10 +104,10 @@ class BlockManager:
         for block in parent.block_table:
             self.incref(block)
         child.block_table = list(parent.block_table)
-        child.num_cached = parent.num_cached
+        child.num_cached, child.evicted = parent.num_cached, parent.evicted
 
     def release(self, seq: Sequence) -> None:
         for block in seq.block_table:
             self.decref(block)
         seq.block_table.clear()
-        seq.num_cached = 0
+        seq.num_cached = seq.evicted = 0

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from qbench.engine.block_manager import BlockManager
+from qbench.engine.evictor import Evictor
 from qbench.engine.kv_cache import KVPool, QuantKVPool, blocks_in_budget
 from qbench.engine.radix import RadixCache
 from qbench.engine.runner import ModelRunner
@@ -31,6 +32,8 @@ class StepStats:
     prefill_tokens: list[int] = field(default_factory=list)
     decode_s: list[float] = field(default_factory=list)
     decode_batch: list[int] = field(default_factory=list)
+    decode_context: list[int] = field(default_factory=list)  # cached tokens each decode step read, all rows
+    decode_blocks: int = 0  # the most blocks the decoding sequences held after a step (eviction gives back)
     cached_tokens: int = 0  # prompt tokens served by the prefix cache instead of computed
     preemptions: int = 0
 
@@ -48,6 +51,14 @@ class Engine:
             raise QBenchError(f"engine: block_size ({block_size}) and max_batch ({max_batch}) must be >= 1")
         # the full-precision pool's dtype: the model's, or fp16 / bf16 where the scheme says so
         self.kv_dtype = model.dtype if kv_scheme is None or kv_scheme.storage_dtype is None else kv_scheme.storage_dtype
+        self.kv_setting = kv_scheme  # as given: an unquantized or evicting scheme too, for reports
+        self.eviction = None if kv_scheme is None else kv_scheme.eviction
+        if self.eviction is not None:
+            if model.config.sliding_window is not None:
+                raise QBenchError(f"engine: kv.evict: {model.config.model_type} attends through a sliding window, "
+                                  f"which eviction would break; run it without kv.evict")
+            if getattr(model, "tp", None) is not None:
+                raise QBenchError("engine: kv.evict runs on one process; drop --tp")
         if kv_scheme is not None and not kv_scheme.quantized:
             kv_scheme = None  # K16V16 is the full-precision cache itself
         if kv_scheme is not None:
@@ -60,7 +71,7 @@ class Engine:
         self.block_size = block_size
         self.max_batch = max_batch
         self.detokenize = detokenize
-        self.kv_scheme = kv_scheme  # None: a full-precision cache; else a layers.kvquant.KVScheme
+        self.kv_scheme = kv_scheme  # None: a full-precision cache; else a layers.kvscheme.KVScheme
         self.eos_ids = set(model.config.eos_token_ids)
         self.pool: KVPool | None = None
         self.blocks: BlockManager | None = None
@@ -71,6 +82,7 @@ class Engine:
         # recomputes after preemption, decodes) in Sequence.trace, to hold them against one whole forward
         self.trace_logits = False
         self.cache: RadixCache | None = None
+        self.evictor: Evictor | None = None
         # A quantized cache with a residual window of one block quantizes each block once it is full,
         # from its own tokens only, so full blocks are immutable and prefill chunks that end on block
         # boundaries compute what one whole prefill computes. With a longer window, which blocks a
@@ -117,6 +129,19 @@ class Engine:
             self.blocks = BlockManager(num_blocks, self.block_size, self.pool.copy_block)
             self.cache = RadixCache(self.blocks) if self.prefix_cache else None
         self.runner = ModelRunner(self.model, self.pool)
+        if self.eviction is not None:
+            if self.evictor is None:
+                cfg = self.config
+                self.evictor = Evictor(self.eviction, self.blocks, self.pool, cfg.num_layers, cfg.num_kv_heads,
+                                       cfg.head_dim ** -0.5, cfg.max_positions, self._make_room)
+            self.evictor.pool, self.evictor.blocks = self.pool, self.blocks
+            self.runner.taps = self.evictor if self.eviction.scored else None
+
+    def _make_room(self, blocks: int) -> bool:
+        """Free ``blocks`` blocks from the prefix cache where the free list is short."""
+        if self.cache is not None and blocks > self.blocks.num_free:
+            self.cache.evict(blocks - self.blocks.num_free)
+        return blocks <= self.blocks.num_free
 
     def reset_stats(self) -> None:
         self.stats = StepStats()
@@ -156,7 +181,9 @@ class Engine:
         return [parent] + children
 
     def _run(self, seqs: list[Sequence]) -> None:
-        sched = Scheduler(self.sched_cfg, self.blocks, self.cache, budget_of=self._budget)
+        ev = self.evictor
+        sched = Scheduler(self.sched_cfg, self.blocks, self.cache, budget_of=self._budget,
+                          evicts=None if ev is None else ev.evicts)
         for s in seqs:
             shared = len(s) // self.block_size  # whole prompt blocks, held once however many samples
             if shared + (self.blocks.blocks_for(self._budget(s)) - shared) * (1 + len(s.forks)) > self.blocks.num_blocks:
@@ -174,7 +201,13 @@ class Engine:
                     for i, s in enumerate(step.decodes):
                         _trace(s, len(s) - 1, logits[i: i + 1])
                 self.stats.decode_batch.append(len(step.decodes))
+                self.stats.decode_context.append(sum(s.kv_len for s in step.decodes))
                 self._append(sched, step.decodes, logits)
+                if ev is not None:
+                    for s in step.decodes:
+                        ev.after_decode(s) if not s.finished else ev.forget(s)
+                held = sum(len(s.block_table) for s in step.decodes)
+                self.stats.decode_blocks = max(self.stats.decode_blocks, held)
             if step.prefills:
                 seqs_p = [s for s, _ in step.prefills]
                 t0 = time.perf_counter()
@@ -190,13 +223,20 @@ class Engine:
                 ready, rows = [], []
                 for i, s in enumerate(seqs_p):
                     if sched.prefill_done(s):
+                        if ev is not None:
+                            ev.after_prefill(s)  # before the forks share its blocks
                         for child in s.forks:
                             sched.fork(s, child, self.pool.copy_slot)
+                            if ev is not None:
+                                ev.fork(s, child)
                         ready += [s] + s.forks
                         rows += [i] * (1 + len(s.forks))
                         s.forks = []
                 if ready:
                     self._append(sched, ready, logits[rows])
+                    for s in ready if ev is not None else ():
+                        if s.finished:
+                            ev.forget(s)
         self.stats.preemptions += sched.preemptions
         self.stats.cached_tokens += sched.cached_tokens
 
@@ -204,6 +244,10 @@ class Engine:
         """Teacher-forced log-probs: each list in one prefill through the cache (quantized or not),
         -> log_softmax logits (T_i, V) at every position, float32."""
         seqs = make_sequences(token_lists, SamplingParams(max_new_tokens=1), self.config.max_positions)
+        if self.eviction is not None and any(len(s) > self.eviction.tokens(len(s)) for s in seqs):
+            raise QBenchError(f"engine: teacher-forced scoring (KLD, perplexity) with KV eviction "
+                              f"({self.eviction.describe()}) is not supported yet: every position would be scored "
+                              f"over the whole context; run these tasks without kv.evict")
         self._size_pool([len(s) for s in seqs])
         out = []
         for i in range(0, len(seqs), self.max_batch):

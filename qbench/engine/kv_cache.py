@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from qbench.layers.kv import BlockKV, QuantBlockKV
-from qbench.layers.kvquant import KVScheme
+from qbench.layers.kvscheme import KVScheme
 
 
 def quant_store_shapes(num_blocks: int, block_size: int, nkv: int, hd: int, dtype: torch.dtype,
@@ -64,9 +64,35 @@ class QuantKVPool:
         for k in ("rk", "rv"):
             self.store[k][:, dst] = self.store[k][:, src]
 
+    def read_sequence(self, layer: int, table: list[int], n: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first n cached tokens in one layer, dequantized -> k, v (n, nkv, hd)."""
+        meta = _OneSequence(table, n, slot)
+        k, v = self.layers[layer].read_meta(meta)  # (1, nkv, nblk * bs, hd)
+        return k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1)
+
+    def compact(self, src_table: list[int], keep: torch.Tensor, dst_table: list[int], n: int, slot: int) -> None:
+        """Eviction on a quantized pool: the kept cache indices ``keep`` (L, nkv, m) of a sequence of n tokens are
+        dequantized, then stored again as its first m tokens in ``dst_table`` as any write stores them: whole
+        blocks outside the residual window quantized (a second rounding for tokens that were quantized
+        already), the rest in its ring."""
+        head = torch.arange(keep.shape[1])[:, None]
+        for i, layer in enumerate(self.layers):
+            k, v = self.read_sequence(i, src_table, n, slot)  # (n, nkv, hd)
+            kk, vv = (t[keep[i], head].transpose(0, 1).contiguous() for t in (k, v))  # (m, nkv, hd)
+            layer.store_sequence(dst_table, kk, vv, slot)
+
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+class _OneSequence:
+    """The metadata ``QuantBlockKV.read_meta`` needs to read one sequence."""
+
+    def __init__(self, table: list[int], n: int, slot: int):
+        self.block_tables = torch.tensor([table], dtype=torch.int64)
+        self.context_lens = torch.tensor([n], dtype=torch.int64)
+        self.kv_slots = torch.tensor([slot], dtype=torch.int64)
 
 
 def blocks_in_budget(budget_bytes: int, num_layers: int, block_size: int, nkv: int, hd: int, dtype: torch.dtype,
@@ -115,6 +141,29 @@ class KVPool:
 
     def copy_slot(self, src: int, dst: int) -> None:
         pass  # no residual ring in a full-precision pool
+
+    def read_sequence(self, layer: int, table: list[int], n: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first n cached tokens in one layer -> k, v (n, nkv, hd)."""
+        t = torch.tensor(table, dtype=torch.int64)
+        return tuple(x[layer][t].reshape(-1, *x.shape[3:])[:n] for x in (self.k, self.v))
+
+    def compact(self, src_table: list[int], keep: torch.Tensor, dst_table: list[int], n: int = 0,
+                slot: int = 0) -> None:
+        """Eviction: the cache indices ``keep`` (L, nkv, m) of a sequence's blocks ``src_table``, per layer and KV
+        head, become its first m tokens in ``dst_table``, in every layer at once. Everything is read before
+        anything is written, so the two tables may share blocks."""
+        L, nb, bs, nkv, hd = self.k.shape
+        m = keep.shape[2]
+        src = torch.tensor(src_table, dtype=torch.int64)
+        slots = src[keep // bs] * bs + keep % bs  # (L, nkv, m) flat slots in the pool
+        layer = torch.arange(L)[:, None, None]
+        head = torch.arange(nkv)[None, :, None]
+        j = torch.arange(m)
+        dst = torch.tensor(dst_table, dtype=torch.int64)[j // bs] * bs + j % bs  # (m,)
+        for t in (self.k, self.v):
+            flat = t.view(L, nb * bs, nkv, hd)
+            kept = flat[layer, slots, head]  # (L, nkv, m, hd): a copy
+            flat[:, dst] = kept.transpose(1, 2)
 
     @property
     def capacity_tokens(self) -> int:

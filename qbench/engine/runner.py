@@ -6,7 +6,7 @@ import torch
 
 from qbench.engine.kv_cache import KVPool
 from qbench.engine.sequence import Sequence
-from qbench.layers.attention import AttnMetadata
+from qbench.layers.attention import AttnMetadata, QueryTap
 from qbench.layers import linear
 from qbench.models.base import CausalLM
 
@@ -38,6 +38,9 @@ class ModelRunner:
         self.pool = pool
         self.block_size = pool.block_size
         self._fused = None  # the one-call decode step over this pool, made at the first decode
+        # eviction's scorer: ``first_tapped(seq)`` (the first position whose queries it wants, or None) and
+        # ``queries(seq, cache_positions, per-layer queries)``; None: no queries are kept
+        self.taps = None
         self._fused_made = False
 
     @property
@@ -79,51 +82,77 @@ class ModelRunner:
         bs = self.block_size
         chunks = [s.token_ids[s.num_cached: s.num_cached + n] for s, n in zip(seqs, lengths)]
         T = max(len(c) for c in chunks)
-        ids, pos, valid, slots = [], [], [], []
+        ids, pos, valid, slots, tapped = [], [], [], [], []
         for b, (s, c) in enumerate(zip(seqs, chunks)):
             ids.append(c + [0] * (T - len(c)))
             start = s.num_cached
             pos.append(list(range(start, start + T)))
             valid.extend(b * T + t for t in range(len(c)))
-            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(start, start + len(c)))
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in range(s.kv_len, s.kv_len + len(c)))
+            first = None if self.taps is None else self.taps.first_tapped(s)
+            if first is not None:
+                tapped.extend((b, t) for t in range(max(first - start, 0), len(c)))
         padded = len(valid) != len(seqs) * T
+        evicted = torch.tensor([s.evicted for s in seqs], dtype=torch.int64)
+        positions = torch.tensor(pos, dtype=torch.int64)  # (B, T)
         meta = AttnMetadata(
-            positions=torch.tensor(pos, dtype=torch.int64),  # (B, T)
+            positions=positions,
             valid_index=torch.tensor(valid, dtype=torch.int64) if padded else None,
             query_valid=torch.tensor([[t < len(c) for t in range(T)] for c in chunks]) if padded else None,
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             block_tables=self._tables(seqs),
-            context_lens=torch.tensor([s.num_cached + len(c) for s, c in zip(seqs, chunks)], dtype=torch.int64),
+            context_lens=torch.tensor([s.kv_len + len(c) for s, c in zip(seqs, chunks)], dtype=torch.int64),
             block_size=bs,
             kv_slots=torch.tensor([s.kv_slot for s in seqs], dtype=torch.int64),
             new_tokens=torch.tensor([len(c) for c in chunks], dtype=torch.int64),
+            cache_positions=positions - evicted[:, None] if bool(evicted.any()) else None,
+            tap=QueryTap(torch.tensor([b * T + t for b, t in tapped], dtype=torch.int64)) if tapped else None,
         )
         last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64)
         logits = self.model(torch.tensor(ids, dtype=torch.int64), meta, self.pool.layers,
                             logits_index=None if all_logits else last)
+        if meta.tap is not None:
+            self._hand_over(seqs, tapped, meta)
         for s, c in zip(seqs, chunks):
             s.num_cached += len(c)
         return logits
+
+    def _hand_over(self, seqs: list[Sequence], tapped: list[tuple[int, int]], meta: AttnMetadata) -> None:
+        """Give each sequence's tapped queries (every layer's) with their cache indices to the taps' owner."""
+        rows = torch.tensor([b for b, _ in tapped])
+        cache_pos = meta.kv_positions.reshape(-1)[meta.tap.index]
+        for b, s in enumerate(seqs):
+            sel = (rows == b).nonzero().flatten()
+            if sel.numel():
+                self.taps.queries(s, cache_pos[sel], [q[sel] for q in meta.tap.queries])
 
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token -> logits (B, V)."""
         bs = self.block_size
         pos = [len(s) - 1 for s in seqs]
+        kv_pos = [p - s.evicted for s, p in zip(seqs, pos)]  # the new token's index in its cache
+        tapped = [] if self.taps is None else [(b, 0) for b, s in enumerate(seqs)
+                                               if self.taps.first_tapped(s) is not None]
         meta = AttnMetadata(
             positions=torch.tensor(pos, dtype=torch.int64)[:, None],  # (B, 1)
-            slot_mapping=torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, pos)],
+            slot_mapping=torch.tensor([s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, kv_pos)],
                                       dtype=torch.int64),
             block_tables=self._tables(seqs),
-            context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int64),
+            context_lens=torch.tensor([p + 1 for p in kv_pos], dtype=torch.int64),
             block_size=bs,
             kv_slots=torch.tensor([s.kv_slot for s in seqs], dtype=torch.int64),
             new_tokens=torch.ones(len(seqs), dtype=torch.int64),
+            cache_positions=torch.tensor(kv_pos, dtype=torch.int64)[:, None] if kv_pos != pos else None,
+            tap=QueryTap(torch.tensor([b for b, _ in tapped], dtype=torch.int64)) if tapped else None,
         )
         ids = torch.tensor([[s.token_ids[-1]] for s in seqs], dtype=torch.int64)
         if not self._fused_made:
             self._fused, self._fused_made = self.model.fused_decoder(self.pool.layers), True
+        fused = self._fused if meta.tap is None else None  # the one-call step exposes no queries
         logits = self.model(ids, meta, self.pool.layers, logits_index=torch.zeros(len(seqs), dtype=torch.int64),
-                            fused=self._fused)
+                            fused=fused)
+        if meta.tap is not None:
+            self._hand_over(seqs, tapped, meta)
         for s in seqs:
             s.num_cached = len(s)
         return logits

@@ -67,11 +67,12 @@ def pool_too_small(tokens: int, capacity: int) -> QBenchError:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, cache: RadixCache | None = None,
-                 budget_of=None):
+                 budget_of=None, evicts=None):
         self.cfg = cfg
         self.bm = blocks
         self.cache = cache
         self.budget_of = budget_of or len  # tokens a request may reach; static batching reserves them
+        self.evicts = evicts or (lambda seq: False)  # requests that will evict take no prefix-cache hit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(cfg.max_seqs))
@@ -148,7 +149,7 @@ class Scheduler:
             return  # the pool is short: admit nothing new until the running requests have room
         while self.waiting and budget > 0 and len(self.free_slots) > len(self.waiting[0].forks):  # 3. new, FCFS
             seq = self.waiting[0]
-            if self.cache is not None and seq.cache_node is None and seq.num_cached == 0:
+            if self.cache is not None and seq.cache_node is None and seq.num_cached == 0 and not self.evicts(seq):
                 node, blocks = self.cache.match(seq.token_ids[: len(seq) - 1], seq.cache_salt)
                 if self._waits_for_inflight(seq, len(blocks)):
                     self.cache.unlock(node)
@@ -251,6 +252,7 @@ class Scheduler:
         self.running.append(child)
 
     def finish(self, seq: Sequence) -> None:
-        self._cache(seq, seq.num_cached)
+        if not seq.evicted:  # compacted blocks no longer hold the tokens their positions say
+            self._cache(seq, seq.num_cached)
         self.running.remove(seq)
         self._drop(seq)

@@ -21,6 +21,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are already in the cache
+    evicted: int = 0  # of those, tokens evicted: the cache holds num_cached - evicted (kv_len)
     kv_slot: int = 0  # its residual slot in a quantized KV cache, held while it runs
     prefilled: bool = False  # every token but the newest has its K/V in the cache
     cache_salt: str = ""  # the tenant's prefix-cache namespace
@@ -39,6 +40,10 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_cached - self.evicted
 
     @property
     def token_ids(self) -> list[int]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from qbench.engine.sampling import SamplingParams
 from qbench.evals.data import load_text
-from qbench.layers.kvquant import kv_memory
+from qbench.layers.kvscheme import kv_memory
 
 
 @dataclass(frozen=True)

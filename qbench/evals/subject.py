@@ -28,6 +28,9 @@ class Generated:
     finish_reason: str | None
 
 
+LONG_CONTEXT = 16384  # where the report compares what one sequence's KV cache holds (eviction keeps a share)
+
+
 class Subject:
     def __init__(self, model: str, batch_size: int, kv_scheme=None, prefix_cache: bool = True, dist: Dist = Dist()):
         self.spec = model
@@ -41,7 +44,8 @@ class Subject:
         # items handed to one generate call: several batches, so continuous batching refills a finished
         # sequence's slot instead of idling until the longest of a batch ends; results are saved per call
         self.generate_chunk = GENERATE_WAVES * batch_size * dist.world
-        self.kv_scheme = self.engine.kv_scheme
+        # the engine keeps an unquantized scheme as no scheme; one that evicts is reported as given
+        self.kv_scheme = self.engine.kv_setting if self.engine.eviction is not None else self.engine.kv_scheme
         # where the KV scheme came from: the artifact's recipe, or one given for this run (--kv)
         self.kv_source = None if self.kv_scheme is None else ("run" if kv_scheme is not None else "artifact")
 
@@ -54,7 +58,7 @@ class Subject:
 
     def describe(self) -> dict:
         from qbench.quant.quantize import source_sha256
-        from qbench.layers.kvquant import kv_memory
+        from qbench.layers.kvscheme import kv_memory
         m, model = self.gen.manifest, self.engine.model
         weight_bytes, item = model.weight_bytes(), model.dtype.itemsize
         if m is None:  # the fp model: every weight at the engine's dtype
@@ -66,12 +70,15 @@ class Subject:
             linear_bits = size["bits_per_weight"]
         c = model.config
         kv = kv_memory(self.kv_scheme, c.num_layers, c.num_kv_heads, c.head_dim, item)
+        ev = None if self.kv_scheme is None else self.kv_scheme.eviction
+        kept = LONG_CONTEXT if ev is None else min(LONG_CONTEXT, ev.tokens(LONG_CONTEXT))  # of a 16k prompt
         return {"model": self.spec, "folder": str(self.folder), "weights_sha256": source_sha256(self.folder),
                 "recipe": None if m is None else m["recipe"]["name"],
                 "kv": None if self.kv_scheme is None else self.kv_scheme.to_dict(),
                 "weight_bytes": weight_bytes, "params": params, "bits_per_weight": 8 * weight_bytes / params,
                 "quantized_linear_bits_per_weight": linear_bits, "kv_bytes_per_token": kv["bytes_per_token"],
-                "kv_scheme": kv["scheme"], "kv_source": self.kv_source}
+                "kv_scheme": kv["scheme"], "kv_source": self.kv_source,
+                "kv_bytes_per_sequence_16k": round(kept * kv["bytes_per_token"] + kv["residual_bytes_per_sequence"])}
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]

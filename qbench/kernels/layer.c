@@ -61,6 +61,7 @@ typedef struct {
     int64_t B, bs, nblk;
     const int64_t *positions, *slots, *tables, *ctx, *kv_slots;  /* slots: pool slots, or ring rows (quantized) */
     const float *cos, *sin;
+    const int64_t *kvpos;  /* each row's index in its cache: its position less the tokens evicted before it */
 } qb_step;
 
 /* Per-row scratch of one layer, in floats. */
@@ -124,12 +125,12 @@ static void write_kv(const qb_layer *L, const qb_step *S, const float *qkv, long
 
 static void attention(const qb_layer *L, const qb_step *S, const float *q, float *out, int nt) {
     if (L->pool == POOL_F32) {
-        qb_paged_attention(q, (const float *)L->k, (const float *)L->v, S->tables, S->positions, NULL, out, S->B, 1,
+        qb_paged_attention(q, (const float *)L->k, (const float *)L->v, S->tables, S->kvpos, NULL, out, S->B, 1,
                            L->nh, L->nkv, L->hd, S->bs, S->nblk, L->window, L->scale, nt);
         return;
     }
     int quant = L->pool == POOL_QUANT;
-    qb_attention_kv(q, out, S->B, 1, L->nh, L->nkv, L->hd, S->bs, S->nblk, S->tables, S->positions, NULL, S->ctx,
+    qb_attention_kv(q, out, S->B, 1, L->nh, L->nkv, L->hd, S->bs, S->nblk, S->tables, S->kvpos, NULL, S->ctx,
                     quant ? S->kv_slots : NULL, quant ? L->W : 0, quant ? (const float *)L->k : NULL,
                     quant ? (const float *)L->v : NULL, L->window, L->scale, (int)L->kmode, (int)L->kbits,
                     (const uint8_t *)L->kc, (const uint16_t *)L->ks, (const uint16_t *)L->km, (int)L->vmode,

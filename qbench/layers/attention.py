@@ -30,10 +30,30 @@ class AttnMetadata:
     kv_slots: torch.Tensor | None = None  # (B,) each sequence's residual slot in a quantized cache
     new_tokens: torch.Tensor | None = None  # (B,) real tokens each sequence writes in this step
     kv_plan: tuple | None = None  # a quantized cache's write plan for this step, shared by the layers
+    # (B, T) each query's index in its sequence's cache, where eviction has made it differ from its position
+    # (RoPE and learned positions read ``positions``; masks and the cache read these); None: the same
+    cache_positions: torch.Tensor | None = None
+    tap: "QueryTap | None" = None  # collects some queries of every layer (eviction scores)
+
+    @property
+    def kv_positions(self) -> torch.Tensor:
+        return self.positions if self.cache_positions is None else self.cache_positions
 
     @property
     def uses_cache(self) -> bool:
         return self.slot_mapping is not None
+
+
+class QueryTap:
+    """Keeps the rotated queries of some rows (flat indices into B * T) from every layer, in layer order."""
+
+    def __init__(self, index: torch.Tensor):
+        self.index = index  # (n,)
+        self.queries: list[torch.Tensor] = []  # per layer (n, nh, hd)
+
+    def add(self, q: torch.Tensor) -> None:
+        B, T, nh, hd = q.shape
+        self.queries.append(q.reshape(B * T, nh, hd).index_select(0, self.index).float())
 
 
 def uses_kernel(meta: AttnMetadata, dtype: torch.dtype) -> bool:
@@ -43,7 +63,7 @@ def uses_kernel(meta: AttnMetadata, dtype: torch.dtype) -> bool:
 
 def build_mask(meta: AttnMetadata, group: int, sliding_window: int | None = None) -> torch.Tensor:
     """Boolean mask (B, 1, T * group, L); True where a query may attend a key."""
-    qpos = meta.positions  # (B, T)
+    qpos = meta.kv_positions  # (B, T)
     B, T = qpos.shape
     if meta.uses_cache:
         L = meta.block_tables.shape[1] * meta.block_size
@@ -79,6 +99,8 @@ def attend(
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     g = nh // nkv
+    if meta.tap is not None:
+        meta.tap.add(q)
     if cache is not None:
         kf, vf = k.reshape(B * T, nkv, hd), v.reshape(B * T, nkv, hd)
         if meta.valid_index is not None:
@@ -91,14 +113,14 @@ def attend(
         else:
             cache.write(meta.slot_mapping, kf, vf)
             if mask is None and prefill.applies(T, meta.context_lens, window):
-                return prefill.prefill_attention(q, k, v, meta.positions, meta.new_tokens, meta.block_tables,
+                return prefill.prefill_attention(q, k, v, meta.kv_positions, meta.new_tokens, meta.block_tables,
                                                  cache.k, cache.v, scale)
             if mask is None and cache.k.dtype == torch.float32:
-                return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.positions, meta.query_valid,
+                return paged_attention(q, cache.k, cache.v, meta.block_tables, meta.kv_positions, meta.query_valid,
                                        window, scale)
             if mask is None and g <= MAX_GROUP:  # an fp16 or bf16 pool
                 k_src, v_src = cache.sources()
-                return attention_kv(q, meta.block_tables, meta.positions, meta.query_valid, meta.context_lens,
+                return attention_kv(q, meta.block_tables, meta.kv_positions, meta.query_valid, meta.context_lens,
                                     k_src, v_src, window=window, scale=scale)
             keys, values = (t.to(q.dtype) for t in cache.read(meta.block_tables))  # (B, nkv, L, hd)
     else:

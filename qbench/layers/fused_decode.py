@@ -44,7 +44,7 @@ class Layer(ctypes.Structure):
 
 class Step(ctypes.Structure):
     _fields_ = [(n, _L) for n in ("B", "bs", "nblk")] + [(n, _P) for n in (
-        "positions", "slots", "tables", "ctx", "kv_slots", "cos", "sin")]
+        "positions", "slots", "tables", "ctx", "kv_slots", "cos", "sin", "kvpos")]
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -134,10 +134,12 @@ class FusedDecoder:
         nt = torch.get_num_threads()
         scratch = torch.empty(B * self.scratch_floats, dtype=torch.float32)
         slots = plan[0] if self.quant else meta.slot_mapping
-        tables, pos = meta.block_tables.contiguous(), meta.positions.contiguous()
+        tables, pos = meta.block_tables.contiguous(), meta.positions.contiguous()  # pos: RoPE's
+        kvpos = meta.kv_positions.contiguous()  # attention's: the cache index, after eviction
         ctx, kv_slots = meta.context_lens.contiguous(), meta.kv_slots.contiguous()
         step = Step(B, meta.block_size, tables.shape[1], pos.data_ptr(), slots.contiguous().data_ptr(),
-                    tables.data_ptr(), ctx.data_ptr(), kv_slots.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr())
+                    tables.data_ptr(), ctx.data_ptr(), kv_slots.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
+                    kvpos.data_ptr())
         args = (ctypes.byref(step), x.data_ptr(), scratch.data_ptr())
         if plan is None or plan[1] is None:  # no block leaves a quantized pool's window: all layers at once
             lib.qb_decode_layers(self.layers, self.n, *args, STAGE_WRITE | STAGE_REST, nt)

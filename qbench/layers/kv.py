@@ -94,7 +94,7 @@ class QuantBlockKV:
     def attend_decode(self, q: torch.Tensor, meta, window: int | None, scale: float) -> torch.Tensor:
         """q (B, 1, nh, hd) over this step's cache (written first) -> (B, 1, nh * hd), no dequantized copy."""
         k_src, v_src = self._sources
-        return ops.attention_kv(q, meta.block_tables, meta.positions, meta.query_valid, meta.context_lens, k_src,
+        return ops.attention_kv(q, meta.block_tables, meta.kv_positions, meta.query_valid, meta.context_lens, k_src,
                                 v_src, self.s["rk"], self.s["rv"], meta.kv_slots, window, scale)
 
     @property
@@ -143,6 +143,21 @@ class QuantBlockKV:
                 p1 = min(after, (j + 1) * bs)
                 rk[r, j % W, off: off + p1 - p0] = kb[p0 - before: p1 - before]
                 rv[r, j % W, off: off + p1 - p0] = vb[p0 - before: p1 - before]
+
+    def store_sequence(self, table: list[int], k: torch.Tensor, v: torch.Tensor, slot: int) -> None:
+        """k, v (m, nkv, hd): a whole sequence's cache written afresh into ``table`` (eviction's compaction): the
+        blocks outside the residual window quantized, the rest in ring slot ``slot``."""
+        bs, W = self.block_size, self.windows
+        m = k.shape[0]
+        qa = self.quantized_blocks(m)
+        if qa:
+            blocks = torch.tensor(table[:qa], dtype=torch.int64)
+            self._store("k", self.kcodec, blocks, k[: qa * bs].view(qa, bs, *k.shape[1:]))
+            self._store("v", self.vcodec, blocks, v[: qa * bs].view(qa, bs, *v.shape[1:]))
+        for p0 in range(qa * bs, m, bs):
+            j, p1 = p0 // bs, min(m, p0 + bs)
+            self.s["rk"][slot, j % W, : p1 - p0] = k[p0:p1]
+            self.s["rv"][slot, j % W, : p1 - p0] = v[p0:p1]
 
     def decode_plan(self, meta) -> tuple | None:
         """Where a decode step's tokens go, the same for every layer (computed once, kept on ``meta``): ring

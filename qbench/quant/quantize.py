@@ -12,7 +12,7 @@ import torch
 
 from qbench import __version__
 from qbench.errors import QBenchError
-from qbench.layers.kvquant import kv_memory
+from qbench.layers.kvscheme import kv_memory
 from qbench.models.weights import weight_files
 from qbench.models.zoo import SOURCE_FILE, resolve_model, sha256_file
 from qbench.paths import atomic_dir, check_output

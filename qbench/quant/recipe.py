@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qbench.errors import QBenchError
 from qbench.inputs import check_fields
-from qbench.layers.kvquant import KVScheme
+from qbench.layers.kvscheme import KVScheme
 from qbench.quant.primitives import ACTIVATIONS, GROUP_SIZES, TYPES, scheme_fits
 from qbench.yamlfile import read_mapping
 

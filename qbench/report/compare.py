@@ -20,7 +20,8 @@ PARETO_CONTEXT = 8192  # the default model's window: where a KV cache costs the 
 
 def make_figures(variants, summary: dict) -> dict[str, bytes]:
     out = {"kld_cdf": fig.kld_cdf(variants), "needle": fig.needle_heatmaps(variants),
-           "pareto": fig.pareto(summary["variants"], PARETO_CONTEXT), "gsm8k": fig.gsm8k_bars(summary["variants"])}
+           "pareto": fig.pareto(summary["variants"], PARETO_CONTEXT), "gsm8k": fig.gsm8k_bars(summary["variants"]),
+           "kv_pareto": fig.kv_pareto(summary["variants"])}
     return {k: v for k, v in out.items() if v is not None}
 
 

@@ -1,4 +1,4 @@
-"""The report's four figures, each returned as PNG bytes (the HTML embeds them, the markdown links them)."""
+"""The report's figures, each returned as PNG bytes (the HTML embeds them, the markdown links them)."""
 
 from __future__ import annotations
 
@@ -88,6 +88,33 @@ def pareto(rows: list[dict], context: int) -> bytes | None:
     ax.set_ylabel("mean KLD vs baseline")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, title="the baseline sits at the floor", title_fontsize=7)
+    return _png(fig)
+
+
+def kv_pareto(rows: list[dict]) -> bytes | None:
+    """Needle score against the KV bytes one 16k-token sequence holds (eviction keeps a share, quantization
+    shrinks each token); the frontier joins the variants that no other beats on both. Shown when some variant
+    evicts or quantizes its cache and two or more ran the needle task."""
+    pts = [(r["kv_bytes_per_sequence_16k"], r["needle"]["score"], r) for r in rows
+           if r.get("kv_bytes_per_sequence_16k") and "needle" in r]
+    if len(pts) < 2 or len({x for x, _, _ in pts}) < 2:
+        return None
+    fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
+    for i, (x, y, r) in enumerate(pts):
+        ax.scatter(x / 2**20, y, color=COLORS[i % len(COLORS)], s=36, zorder=3)
+        ax.annotate(r["name"], (x / 2**20, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    front, best = [], -1.0
+    for x, y, _ in sorted(pts, key=lambda p: (p[0], -p[1])):
+        if y > best:
+            front.append((x / 2**20, y))
+            best = y
+    ax.plot(*zip(*front), color="#999999", lw=1, ls="--", zorder=2, label="Pareto frontier")
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache of one 16,384-token sequence (MiB)")
+    ax.set_ylabel("needle score")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     return _png(fig)
 
 

@@ -28,11 +28,13 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     rows = summary["variants"]
     batches = sorted({b for r in rows for b in r.get("speed", {})}, key=int)
     size = [[r["name"] + (" (baseline)" if r["baseline"] else ""), _mib(r["weight_bytes"]), _f(r["bits_per_weight"], ".2f"),
-             _f(r["quantized_linear_bits_per_weight"], ".2f"), "fp32" if r["kv_scheme"] == "fp" else r["kv_scheme"], _f(r["kv_bytes_per_token"], ",.0f")]
+             _f(r["quantized_linear_bits_per_weight"], ".2f"), "fp32" if r["kv_scheme"] == "fp" else r["kv_scheme"], _f(r["kv_bytes_per_token"], ",.0f"),
+             _mib(r.get("kv_bytes_per_sequence_16k"))]
             + [_f(r.get("speed", {}).get(b, {}).get("decode_tokens_per_s"), ".1f") for b in batches]
             + [_mib(r.get("speed", {}).get(b, {}).get("memory_bytes")) for b in batches] for r in rows]
     ctx = next((r["speed_context"] for r in rows if "speed_context" in r), None)
-    size_head = (["variant", "weights MiB", "bits/weight (all)", "bits/weight (quantized linears)", "KV cache", "KV bytes/token"]
+    size_head = (["variant", "weights MiB", "bits/weight (all)", "bits/weight (quantized linears)", "KV cache", "KV bytes/token",
+                  "KV MiB, one 16k-token sequence"]
                  + [f"decode tok/s, batch {b}" for b in batches]
                  + [f"memory MiB, batch {b} @ {ctx} tokens" for b in batches])
     quality = []
@@ -118,7 +120,8 @@ GUIDE = [
 ]
 
 FIGURES = [("kld_cdf", "Per-token KLD, cumulative"), ("needle", "Needle retrieval: length × depth"),
-           ("pareto", "Quality against size"), ("gsm8k", "GSM8K accuracy with 95% intervals")]
+           ("pareto", "Quality against size"), ("gsm8k", "GSM8K accuracy with 95% intervals"),
+           ("kv_pareto", "Needle retrieval against the KV cache of one 16k-token sequence")]
 
 
 def markdown(summary: dict, figures: dict[str, bytes]) -> str:

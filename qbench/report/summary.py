@@ -30,7 +30,8 @@ def variant_row(v: Variant) -> dict:
            "recipe": s.get("recipe"), "kv_scheme": s.get("kv_scheme") or "fp", "weights_sha256": s.get("weights_sha256"),
            "weight_bytes": s.get("weight_bytes"), "params": s.get("params"), "bits_per_weight": s.get("bits_per_weight"),
            "quantized_linear_bits_per_weight": s.get("quantized_linear_bits_per_weight"),
-           "kv_bytes_per_token": s.get("kv_bytes_per_token"), "batch_size": v.record.get("batch_size")}
+           "kv_bytes_per_token": s.get("kv_bytes_per_token"), "batch_size": v.record.get("batch_size"),
+           "kv_bytes_per_sequence_16k": s.get("kv_bytes_per_sequence_16k")}
     k = t.get("kld")
     if k is not None:
         row["ppl"] = {"value": k["own"]["ppl"], "se": k["own"]["ppl_se"]}
