@@ -254,19 +254,21 @@ def test_evicted_blocks_return_to_the_free_list_and_are_reused(llama):
     assert all(len(s.output_ids) == 30 for s in out)
 
 
-def test_prefix_cache_blocks_are_never_rewritten_by_an_evicting_request(llama):
-    """An evicting request takes no prefix-cache hit and compacts into private blocks; the full prompt it
-    offered to the cache still serves a later request exactly."""
+def test_an_evicting_request_neither_reads_nor_fills_the_prefix_cache(llama):
+    """The rule: with the prefix cache on and a pool sized for the requests alone, an evicting request still
+    evicts (its blocks are its own), caches nothing, and gives the same tokens as without the cache; a request
+    that fits its budget uses the cache as before."""
     p = prompts([96], seed=7)[0]
-    plain = Engine(llama, max_batch=1, prefix_cache=True)
-    want = plain.generate([p + [5, 6, 7]], GREEDY)[0].output_ids
-    eng = Engine(llama, max_batch=1, kv_scheme=KVScheme(scheme="fp", evict="streaming", budget=24), prefix_cache=True)
-    first = eng.generate([p], GREEDY)[0]
-    assert eng.evictor.evictions > 0 and first.cached_tokens == 0
-    eng.eviction = None  # the same pool and prefix cache, now read by a request that keeps everything
-    eng.evictor.evicts = lambda seq: False
-    again = eng.generate([p + [5, 6, 7]], GREEDY)[0]
-    assert again.cached_tokens == 96 and again.output_ids == want
+    kv = KVScheme(scheme="fp", evict="streaming", budget=24)
+    want = Engine(llama, max_batch=2, kv_scheme=kv).generate([p, p], GREEDY)
+    eng = Engine(llama, max_batch=2, kv_scheme=kv, prefix_cache=True)
+    got = eng.generate([p, p], GREEDY)
+    assert eng.evictor.evictions >= 2 and eng.cache.cached_blocks == 0
+    assert [s.output_ids for s in got] == [s.output_ids for s in want] and all(s.cached_tokens == 0 for s in got)
+    fits = Engine(llama, max_batch=1, kv_scheme=KVScheme(scheme="fp", evict="streaming", budget=200),
+                  prefix_cache=True)
+    fits.generate([p], GREEDY)
+    assert fits.generate([p + [5]], GREEDY)[0].cached_tokens == 96 and fits.evictor.evictions == 0
 
 
 @pytest.mark.parametrize("case, msg", [

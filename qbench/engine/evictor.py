@@ -6,11 +6,10 @@ A sequence that will outgrow its budget (prompt plus new tokens over it) is evic
 So it never holds more than budget + one block after a step. Its kept tokens are moved to the front of its
 own blocks, in cache order, and the blocks past them go back to the free list.
 
-Rules with the prefix cache: a request that will evict computes its whole prompt (no prefix-cache hit: its
-policy must see every prompt query); at the end of its prefill it offers its whole prompt blocks to the cache
-like any request, then compacts into private blocks (a block it shares is replaced, never rewritten), and
-after that it offers nothing more. So the cache never holds an evicted block, and a later request that shares
-the prompt gets the full prompt's K/V.
+Rules with the prefix cache: a request that will evict neither reads nor fills it. It computes its whole prompt
+(its policy must see every prompt query), and it compacts its own blocks in place, so none of them may be
+shared with the cache. A block it does share (with parallel samples of the same prompt) is never rewritten: the
+request takes a private copy first.
 
 The scores (H2O's accumulated attention, SnapKV's votes) are computed here from each layer's rotated queries,
 which the model runner taps, against the keys in the pool: softmax(q k^T) recomputed in torch for the
@@ -25,6 +24,7 @@ import torch
 
 from qbench.engine.block_manager import BlockManager
 from qbench.engine.sequence import Sequence
+from qbench.errors import QBenchError
 from qbench.layers.eviction import Eviction, attention_probs, rank_keep, scored_keep, snapkv_votes, streaming_keep
 
 KEPT = 1e30  # SnapKV's rank of tokens it never votes on (the window, decode tokens): above any vote
@@ -148,7 +148,8 @@ class Evictor:
         need = bm.blocks_for(m)
         shared = [j for j in range(need) if bm.ref_count[old[j]] > 1]
         if len(shared) > bm.num_free and (self.make_room is None or not self.make_room(len(shared))):
-            return  # no block for a private copy: keep everything this step, try again at the next one
+            raise QBenchError(f"KV eviction: request {seq.seq_id} shares {len(shared)} blocks (parallel samples) "
+                              f"and the pool has {bm.num_free} free for its private copies; raise the KV capacity")
         new = list(old[:need])
         for j in shared:  # a shared block is never rewritten: this sequence takes a fresh one
             new[j] = bm.allocate()

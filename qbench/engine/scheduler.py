@@ -72,7 +72,7 @@ class Scheduler:
         self.bm = blocks
         self.cache = cache
         self.budget_of = budget_of or len  # tokens a request may reach; static batching reserves them
-        self.evicts = evicts or (lambda seq: False)  # requests that will evict take no prefix-cache hit
+        self.evicts = evicts or (lambda seq: False)  # requests that will evict neither read nor fill the prefix cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(cfg.max_seqs))
@@ -230,7 +230,8 @@ class Scheduler:
         if seq.num_cached < len(seq):
             return False
         seq.prefilled = True
-        self._cache(seq, len(seq))
+        if not self.evicts(seq):  # an evicting request's blocks are compacted in place: never cached
+            self._cache(seq, len(seq))
         return True
 
     def _cache(self, seq: Sequence, computed: int) -> None:
