@@ -65,6 +65,21 @@ def needle_heatmaps(variants: list[Variant]) -> bytes | None:
     return buf.getvalue()
 
 
+def _frontier_plot(ax, pts: list[tuple], higher_is_better: bool) -> None:
+    """(bytes, quality, row) points, labelled, and the dashed frontier through those that no other point beats
+    on both (fewer bytes, better quality); x in MiB."""
+    for i, (x, y, r) in enumerate(pts):
+        ax.scatter(x / 2**20, y, color=COLORS[i % len(COLORS)], s=36, zorder=3)
+        ax.annotate(r["name"], (x / 2**20, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    sign = -1 if higher_is_better else 1  # frontier in the order of worse-is-larger
+    front, best = [], float("inf")
+    for x, y, _ in sorted(pts, key=lambda p: (p[0], sign * p[1])):
+        if sign * y < best:
+            front.append((x / 2**20, y))
+            best = sign * y
+    ax.plot(*zip(*front), color="#999999", lw=1, ls="--", zorder=2, label="Pareto frontier")
+
+
 def pareto(rows: list[dict], context: int) -> bytes | None:
     """Mean KLD against memory (weights + the KV cache of one ``context``-token sequence); the frontier
     joins the variants that no other variant beats on both."""
@@ -74,15 +89,7 @@ def pareto(rows: list[dict], context: int) -> bytes | None:
         return None
     fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
     floor = min([y for _, y, _ in pts if y > 0] or [1e-4]) / 3
-    for i, (x, y, r) in enumerate(pts):
-        ax.scatter(x / 2**20, max(y, floor), color=COLORS[i % len(COLORS)], s=36, zorder=3)
-        ax.annotate(r["name"], (x / 2**20, max(y, floor)), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    front, best = [], float("inf")
-    for x, y, _ in sorted(pts, key=lambda p: (p[0], p[1])):
-        if y < best:
-            front.append((x / 2**20, max(y, floor)))
-            best = y
-    ax.plot(*zip(*front), color="#999999", lw=1, ls="--", zorder=2, label="Pareto frontier")
+    _frontier_plot(ax, [(x, max(y, floor), r) for x, y, r in pts], higher_is_better=False)
     ax.set_yscale("log")
     ax.set_xlabel(f"memory: weights + KV cache of one {context:,}-token sequence (MiB)")
     ax.set_ylabel("mean KLD vs baseline")
@@ -100,15 +107,7 @@ def kv_pareto(rows: list[dict]) -> bytes | None:
     if len(pts) < 2 or len({x for x, _, _ in pts}) < 2:
         return None
     fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
-    for i, (x, y, r) in enumerate(pts):
-        ax.scatter(x / 2**20, y, color=COLORS[i % len(COLORS)], s=36, zorder=3)
-        ax.annotate(r["name"], (x / 2**20, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    front, best = [], -1.0
-    for x, y, _ in sorted(pts, key=lambda p: (p[0], -p[1])):
-        if y > best:
-            front.append((x / 2**20, y))
-            best = y
-    ax.plot(*zip(*front), color="#999999", lw=1, ls="--", zorder=2, label="Pareto frontier")
+    _frontier_plot(ax, pts, higher_is_better=True)
     ax.set_xscale("log")
     ax.set_xlabel("KV cache of one 16,384-token sequence (MiB)")
     ax.set_ylabel("needle score")
