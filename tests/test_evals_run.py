@@ -65,6 +65,10 @@ def test_the_shipped_suites_load():
     assert len(n.lengths) >= 4 and len(n.depths) >= 5 and n.samples >= 4 and max(n.lengths) >= 16384
     q = load_suite("evals/qwen.yaml")
     assert min(q.tasks["needle"].lengths) >= 4096 and q.tasks["gsm8k_cot"].chat
+    for name in ("evals/evict.yaml", "evals/evict-4k.yaml"):  # issue 18's evidence: 4k KLD windows, needle grid
+        e = load_suite(name)
+        assert e.tasks["kld"].ctx == 4096 and e.tasks["perplexity"].ctx == 4096 and len(e.tasks["needle"].depths) == 3
+    assert load_suite("evals/evict.yaml").tasks["needle"].lengths == [2048, 4096, 8192, 16384]
     from qbench.evals.stats import mcnemar_mde
     assert mcnemar_mde(q.tasks["gsm8k_cot"].limit, int(0.2 * q.tasks["gsm8k_cot"].limit))["difference"] <= 0.08
 

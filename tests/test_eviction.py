@@ -95,11 +95,14 @@ def test_bad_eviction_settings_name_the_file_and_field(raw, msg):
 
 
 @pytest.mark.parametrize("name, policy", [("kv-stream", "streaming"), ("kv-h2o", "h2o"), ("kv-snap", "snapkv"),
-                                          ("kv4-snap", "snapkv")])
+                                          ("kv4-snap", "snapkv"), ("kv-stream-10", "streaming"),
+                                          ("kv-h2o-10", "h2o"), ("kv-snap-10", "snapkv")])
 def test_shipped_eviction_recipes(name, policy):
     kv = load_kv_scheme(name)
-    assert kv.eviction.policy == policy and kv.eviction.budget == 0.25 and kv.quantized == (name == "kv4-snap")
-    assert kv.eviction.tokens(4096) == 1024 and kv.eviction.tokens(10) == 3
+    tenth = name.endswith("-10")
+    assert kv.eviction.policy == policy and kv.eviction.budget == (0.1 if tenth else 0.25)
+    assert kv.quantized == (name == "kv4-snap")
+    assert kv.eviction.tokens(4096) == (410 if tenth else 1024) and kv.eviction.tokens(10) == (1 if tenth else 3)
 
 
 # -- the engine ---------------------------------------------------------------------------------------------------
@@ -167,18 +170,20 @@ def test_scores_and_keep_sets_at_the_end_of_prefill_equal_transformers_attention
     kv = KVScheme(scheme="fp", evict=policy, budget=24, window=8)
     eng = Engine(llama, max_batch=1, kv_scheme=kv)
     seen = {}
-    orig = None
-
-    def spy(seq, at_prefill_end):
-        if at_prefill_end:
-            seen["scores"] = eng.evictor.scores[seq.seq_id].values.clone()
-            seen["keep"] = orig(seq, at_prefill_end)
-            return seen["keep"]
-        return orig(seq, at_prefill_end)
-
     eng.generate([prompt], SamplingParams(max_new_tokens=1))  # builds the pool and its evictor
-    orig = eng.evictor.keep_set
-    eng.evictor.keep_set = spy
+    evictor = eng.evictor
+    keep_set, vote = evictor.keep_set, evictor._vote
+
+    def spy_vote(seq):  # SnapKV's raw window sums, before its vote turns them into ranks
+        seen["scores"] = evictor.scores[seq.seq_id].values.clone()
+        vote(seq)
+
+    def spy_keep(seq):  # the first keep-set is the prefill end's
+        seen.setdefault("scores", evictor.scores[seq.seq_id].values.clone())
+        seen.setdefault("keep", keep_set(seq))
+        return keep_set(seq)
+
+    evictor.keep_set, evictor._vote = spy_keep, spy_vote
     eng.generate([prompt], SamplingParams(max_new_tokens=20, ignore_eos=True))
     atts = _hf_attentions(hf, prompt)
     n, W, nkv = len(prompt), 8, 2
@@ -191,6 +196,28 @@ def test_scores_and_keep_sets_at_the_end_of_prefill_equal_transformers_attention
         want = (ev.scored_keep(ref, 24, 8) if policy == "h2o" else
                 ev.rank_keep(torch.cat([_pooled(ref, n, W), torch.full((nkv, W), 1e30)], 1), 24))
         assert torch.equal(seen["keep"][layer], want), layer
+
+
+def test_snapkv_votes_at_the_prompts_end_even_when_the_prompt_fits_its_budget(llama):
+    """A prompt under its budget is not evicted at the prefill end, but the window still votes there: when the
+    decode outgrows the budget, the prompt tokens go by their pooled votes, never by raw window sums."""
+    kv = KVScheme(scheme="fp", evict="snapkv", budget=48, window=8)
+    eng = Engine(llama, max_batch=1, kv_scheme=kv)
+    eng.generate(prompts([10]), SamplingParams(max_new_tokens=1))
+    evictor, seen = eng.evictor, {}
+    vote = evictor._vote
+
+    def spy(seq):
+        raw = evictor.scores[seq.seq_id].values.clone()
+        vote(seq)
+        seen["raw"], seen["rank"] = raw, evictor.scores[seq.seq_id].values.clone()
+
+    evictor._vote = spy
+    eng.generate(prompts([40], seed=2), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    assert evictor.evictions >= 1 and seen["rank"].shape[2] == 40
+    for layer in range(llama.config.num_layers):
+        assert torch.equal(seen["rank"][layer, :, :32], ev.snapkv_votes(seen["raw"][layer][:, None, :32], 5))
+        assert bool((seen["rank"][layer, :, 32:] >= 1e30).all())
 
 
 def _pooled(ref, n, W):
@@ -273,7 +300,8 @@ def test_an_evicting_request_neither_reads_nor_fills_the_prefix_cache(llama):
 
 @pytest.mark.parametrize("case, msg", [
     ("window", "sliding window"),
-    ("score", "teacher-forced scoring"),
+    ("score", "needs the prompt's length"),
+    ("prompt", "must leave at least one token"),
 ])
 def test_eviction_refusals(tiny_models, llama, case, msg):
     kv = KVScheme(scheme="fp", evict="snapkv", budget=16)
@@ -281,7 +309,64 @@ def test_eviction_refusals(tiny_models, llama, case, msg):
         if case == "window":
             Engine(load_model(tiny_models["mistral-window"][0]), kv_scheme=kv)
         else:
-            Engine(llama, kv_scheme=kv).score(prompts([40]))
+            Engine(llama, kv_scheme=kv).score(prompts([40]), prompt_len=40 if case == "prompt" else None)
+
+
+# -- teacher-forced scoring under eviction ------------------------------------------------------------------------
+@pytest.mark.parametrize("policy, bits", [("streaming", 16), ("h2o", 16), ("snapkv", 16), ("snapkv", 4)])
+def test_scoring_under_eviction_equals_the_decode_steps_of_a_generation(llama, policy, bits, path):
+    """Scoring a text under eviction runs its continuation as decode steps over the evicted cache: on the text a
+    greedy generation produced, every scored row equals that generation's own decode logits, bit for bit, for
+    two texts in one batch as for each alone."""
+    kv = (KVScheme(scheme="fp", evict=policy, budget=0.25, window=8) if bits == 16 else
+          KVScheme(k_bits=bits, v_bits=bits, v_group=16, residual=32, evict=policy, budget=0.25, window=8))
+    ps = prompts([96, 96], seed=4)
+    gen = Engine(llama, max_batch=2, kv_scheme=kv)
+    gen.trace_logits = True
+    seqs = [gen.generate([p], GREEDY)[0] for p in ps]
+    assert gen.evictor.evictions >= 2 * 3
+    texts = [p + s.output_ids[:-1] for p, s in zip(ps, seqs)]  # the last token is sampled, never fed
+    eng = Engine(llama, max_batch=2, kv_scheme=kv)
+    together = eng.score(texts, prompt_len=96)
+    assert eng.evictor.evictions >= 2 * 3 and eng.blocks.num_free == eng.blocks.num_blocks
+    for text, s, lp in zip(texts, seqs, together):
+        assert lp.shape == (len(text), llama.config.vocab_size)
+        want = {start: torch.log_softmax(lg, dim=-1) for start, lg in s.trace}
+        for p in range(96, len(text)):
+            assert torch.equal(lp[p], want[p][0]), p
+        assert torch.equal(lp[95], want[0][95])  # the prompt's last row: its prefill, before any eviction
+        alone = Engine(llama, max_batch=2, kv_scheme=kv).score([text], prompt_len=96)[0]
+        assert torch.equal(alone, lp)
+
+
+def test_streaming_scores_equal_transformers_with_the_evicted_tokens_masked(tiny_models, llama):
+    """Golden reference for the scored rows: one transformers forward in which each row past the prompt sees
+    exactly what StreamingLLM kept (sinks, then the recent tokens, evicted at budget + one block)."""
+    hf = tiny_models["llama"][1]
+    text = prompts([110], seed=9)[0]
+    eng = Engine(llama, max_batch=1, kv_scheme=KVScheme(scheme="fp", evict="streaming", budget=24, sinks=4))
+    lp = eng.score([text], prompt_len=60)[0]
+    T = len(text)
+    mask = torch.full((1, 1, T, T), float("-inf"))
+    for i in range(60):
+        mask[0, 0, i, : i + 1] = 0
+    vis = visible_streaming(60, T - 60 + 1, 24, 4)
+    assert sorted(vis) == list(range(60, T))
+    for p, keys in vis.items():
+        mask[0, 0, p, keys] = 0
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([text]), attention_mask=mask).logits[0], dim=-1)
+    assert torch.allclose(lp, ref, atol=2e-4, rtol=1e-4)
+    full = Engine(llama, max_batch=1).score([text])[0]
+    assert not torch.allclose(lp[70:], full[70:], atol=1e-2)  # eviction changed what the scored rows saw
+
+
+def test_a_budget_that_covers_the_text_scores_as_one_prefill(llama):
+    text = prompts([80], seed=2)[0]
+    want = Engine(llama, max_batch=1).score([text])[0]
+    for budget in (80, 1.0):
+        eng = Engine(llama, max_batch=1, kv_scheme=KVScheme(scheme="fp", evict="h2o", budget=budget))
+        assert torch.equal(eng.score([text], prompt_len=40 if budget == 80 else None)[0], want)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -310,3 +395,34 @@ def test_compacting_a_quantized_pool_keeps_each_kept_token(bits):
                 want = was[keep[i, h], h]  # (40, hd)
                 assert (now[:, h] - want).abs().max() < step
                 assert torch.equal(now[32:, h], want[32:])  # kept tokens now in the ring: not rounded again
+
+
+SCORED = """name: evicted-kld
+seed: 3
+batch_size: 2
+tasks:
+  kld: {data: evals/data/wikitext-2-raw/wiki.test.raw, ctx: 192, chunks: 2, top_k: 32, exact_chunks: 1}
+  perplexity: {data: evals/data/wikitext-2-raw/wiki.test.raw, ctx: 192, chunks: 2, rolling_docs: 1,
+               rolling_len: 256, top_k: 32, exact_chunks: 1}
+"""
+
+
+def test_kld_and_perplexity_under_eviction_against_a_baseline_without(smollm2, tmp_path):
+    """qbench eval --kv with eviction scores against an fp-cache baseline: a quarter of each window's first half
+    kept costs KL (StreamingLLM more than a budget that covers the window, which costs exactly none), and
+    the rolling perplexity, which has no prompt to compress, says it was skipped."""
+    from conftest import SMOL
+    from qbench.evals.run import run_eval
+    suite = tmp_path / "s.yaml"
+    suite.write_text(SCORED)
+    covers = tmp_path / "covers.yaml"
+    covers.write_text("name: covers\nkv: {scheme: fp, evict: streaming, budget: 400}\n")
+    quiet = dict(log=lambda m: None)
+    run_eval(SMOL, str(suite), tmp_path / "fp", **quiet)
+    got = {kv: run_eval(SMOL, str(suite), tmp_path / f"run-{i}", baseline=tmp_path / "fp", kv=kv, **quiet)
+           for i, kv in enumerate(("kv-stream", str(covers)))}
+    stream, full = got["kv-stream"]["tasks"], got[str(covers)]["tasks"]
+    assert full["kld"]["score"] == 0.0 and "word_perplexity" in full["perplexity"]["lm_eval_rolling"]
+    assert stream["kld"]["score"] > 0.01 and stream["kld"]["kld"]["mean"] > 5 * stream["kld"]["kld"]["se"]
+    assert "skipped" in stream["perplexity"]["lm_eval_rolling"]
+    assert stream["perplexity"]["vs_baseline"]["ppl_ratio"] > 1.0

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from qbench.engine import scoring
 from qbench.engine.block_manager import BlockManager
 from qbench.engine.evictor import Evictor
 from qbench.engine.kv_cache import KVPool, QuantKVPool, blocks_in_budget
@@ -240,28 +241,10 @@ class Engine:
         self.stats.preemptions += sched.preemptions
         self.stats.cached_tokens += sched.cached_tokens
 
-    def score(self, token_lists: list[list[int]]) -> list[torch.Tensor]:
-        """Teacher-forced log-probs: each list in one prefill through the cache (quantized or not),
-        -> log_softmax logits (T_i, V) at every position, float32."""
-        seqs = make_sequences(token_lists, SamplingParams(max_new_tokens=1), self.config.max_positions)
-        if self.eviction is not None and any(len(s) > self.eviction.tokens(len(s)) for s in seqs):
-            raise QBenchError(f"engine: teacher-forced scoring (KLD, perplexity) with KV eviction "
-                              f"({self.eviction.describe()}) is not supported yet: every position would be scored "
-                              f"over the whole context; run these tasks without kv.evict")
-        self._size_pool([len(s) for s in seqs])
-        out = []
-        for i in range(0, len(seqs), self.max_batch):
-            wave = seqs[i: i + self.max_batch]
-            for j, s in enumerate(wave):
-                s.kv_slot = j
-                if self.cache is not None:
-                    self.cache.evict(self.blocks.blocks_for(len(s)) - self.blocks.num_free)  # a no-op with room
-                self.blocks.reserve(s, len(s))
-            logits = self.runner.prefill(wave, all_logits=True)  # (B, T, V)
-            for j, s in enumerate(wave):
-                out.append(torch.log_softmax(logits[j, : len(s)], dim=-1))
-                self.blocks.release(s)
-        return out
+    def score(self, token_lists: list[list[int]], prompt_len: int | None = None) -> list[torch.Tensor]:
+        """Teacher-forced log-probs (T_i, V) at every position, float32, through the cache (engine/scoring.py:
+        under eviction, the tokens after ``prompt_len`` run as decode steps over the evicted cache)."""
+        return scoring.score(self, token_lists, prompt_len)
 
     def blocks_needed(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

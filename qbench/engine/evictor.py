@@ -84,7 +84,7 @@ class Evictor:
 
     def keys(self, seq: Sequence, layer: int, n: int) -> torch.Tensor:
         """The first n cached keys of ``seq`` in one layer (dequantized from a quantized pool) -> (n, nkv, hd)."""
-        return self.pool.read_sequence(layer, seq.block_table[: self.blocks.blocks_for(n)], n, seq.kv_slot)[0]
+        return self.pool.read_keys(layer, seq.block_table[: self.blocks.blocks_for(n)], n, seq.kv_slot)
 
     def _scores(self, seq: Sequence, n: int) -> _Scores:
         st = self.scores.get(seq.seq_id)
@@ -100,18 +100,22 @@ class Evictor:
         """Scores of cache indices [lo, hi) never scored: 0 for H2O; for SnapKV (after its vote) a rank above
         every vote, growing with the position, so that decode tokens outlast prompt tokens, newest last out."""
         out = torch.zeros(self.L, self.nkv, hi - lo, dtype=torch.float64)
-        if self.policy.policy == "snapkv" and seq.prefilled and seq.seq_id in self.scores:
+        if self.policy.policy == "snapkv" and seq.prefilled:
             out += KEPT + torch.arange(lo, hi, dtype=torch.float64) + seq.evicted
         return out
 
     # -- eviction ---------------------------------------------------------------------------------------
     def after_prefill(self, seq: Sequence) -> None:
-        if self.evicts(seq) and seq.kv_len > self.budget(seq):
-            self._evict(seq, at_prefill_end=True)
+        if not self.evicts(seq):
+            return
+        if self.policy.policy == "snapkv":  # the vote, even where the prompt fits: decode may shrink it later
+            self._vote(seq)
+        if seq.kv_len > self.budget(seq):
+            self._evict(seq)
 
     def after_decode(self, seq: Sequence) -> None:
         if self.evicts(seq) and seq.kv_len >= self.budget(seq) + self.blocks.block_size:
-            self._evict(seq, at_prefill_end=False)
+            self._evict(seq)
 
     def forget(self, seq: Sequence) -> None:
         self.scores.pop(seq.seq_id, None)
@@ -121,27 +125,30 @@ class Evictor:
         if st is not None:
             self.scores[child.seq_id] = _Scores(st.values.clone())
 
-    def keep_set(self, seq: Sequence, at_prefill_end: bool) -> torch.Tensor:
+    def _vote(self, seq: Sequence) -> None:
+        """SnapKV at the end of the prompt: the window's attention, pooled, ranks the tokens before it; the
+        window itself ranks above every vote, so it is kept."""
+        n, budget, p = seq.kv_len, self.budget(seq), self.policy
+        st = self._scores(seq, n)
+        w = min(p.recent(budget), n)
+        rank = torch.empty(self.L, self.nkv, n, dtype=torch.float64)
+        for layer in range(self.L):
+            rank[layer, :, : n - w] = snapkv_votes(st.values[layer][:, None, : n - w], p.pool)
+        rank[:, :, n - w:] = KEPT + torch.arange(n - w, n, dtype=torch.float64) + seq.evicted
+        st.values[:, :, :n] = rank
+
+    def keep_set(self, seq: Sequence) -> torch.Tensor:
         """-> (L, nkv, m) sorted cache indices each layer's KV heads keep."""
         n, budget, p = seq.kv_len, self.budget(seq), self.policy
         if p.policy == "streaming":
             return streaming_keep(n, budget, p.sinks, self.nkv).expand(self.L, -1, -1)
-        st = self._scores(seq, n)
-        vals = st.values[:, :, :n]
+        vals = self._scores(seq, n).values[:, :, :n]
         if p.policy == "h2o":
             return torch.stack([scored_keep(vals[l], budget, p.recent(budget)) for l in range(self.L)])
-        if at_prefill_end:  # SnapKV's vote: the window's attention, pooled, ranks the tokens before it
-            w = min(p.recent(budget), n)
-            rank = torch.empty(self.L, self.nkv, n, dtype=torch.float64)
-            for layer in range(self.L):
-                rank[layer, :, : n - w] = snapkv_votes(vals[layer][:, None, : n - w], p.pool)
-            rank[:, :, n - w:] = KEPT + torch.arange(n - w, n, dtype=torch.float64) + seq.evicted
-            st.values[:, :, :n] = rank
-            vals = rank
-        return torch.stack([rank_keep(vals[l], budget) for l in range(self.L)])
+        return torch.stack([rank_keep(vals[l], budget) for l in range(self.L)])  # SnapKV: by the vote's rank
 
-    def _evict(self, seq: Sequence, at_prefill_end: bool) -> None:
-        keep = self.keep_set(seq, at_prefill_end)  # (L, nkv, m)
+    def _evict(self, seq: Sequence) -> None:
+        keep = self.keep_set(seq)  # (L, nkv, m)
         m = keep.shape[2]
         bm = self.blocks
         old = list(seq.block_table)

@@ -70,6 +70,11 @@ class QuantKVPool:
         k, v = self.layers[layer].read_meta(meta)  # (1, nkv, nblk * bs, hd)
         return k[0, :, :n].transpose(0, 1), v[0, :, :n].transpose(0, 1)
 
+    def read_keys(self, layer: int, table: list[int], n: int, slot: int) -> torch.Tensor:
+        """``read_sequence``'s keys alone (V is not dequantized) -> (n, nkv, hd)."""
+        k, _ = self.layers[layer].read_meta(_OneSequence(table, n, slot), keys_only=True)
+        return k[0, :, :n].transpose(0, 1)
+
     def compact(self, src_table: list[int], keep: torch.Tensor, dst_table: list[int], n: int, slot: int) -> None:
         """Eviction on a quantized pool: the kept cache indices ``keep`` (L, nkv, m) of a sequence of n tokens are
         dequantized, then stored again as its first m tokens in ``dst_table`` as any write stores them: whole
@@ -146,6 +151,11 @@ class KVPool:
         """One sequence's first n cached tokens in one layer -> k, v (n, nkv, hd)."""
         t = torch.tensor(table, dtype=torch.int64)
         return tuple(x[layer][t].reshape(-1, *x.shape[3:])[:n] for x in (self.k, self.v))
+
+    def read_keys(self, layer: int, table: list[int], n: int, slot: int) -> torch.Tensor:
+        """One sequence's first n cached keys in one layer -> (n, nkv, hd)."""
+        t = torch.tensor(table, dtype=torch.int64)
+        return self.k[layer][t].reshape(-1, *self.k.shape[3:])[:n]
 
     def compact(self, src_table: list[int], keep: torch.Tensor, dst_table: list[int], n: int = 0,
                 slot: int = 0) -> None:

@@ -2,7 +2,8 @@
 
 The text is tokenized once and cut into chunks of ``ctx`` tokens. Each chunk is one prefill; only its
 second half is scored (logits at positions ctx/2 .. ctx-2 predict tokens ctx/2+1 .. ctx-1), so every
-scored token sees at least ctx/2 tokens of context, as in ``llama-perplexity``.
+scored token sees at least ctx/2 tokens of context, as in ``llama-perplexity``. Under KV eviction the first half
+is the prompt (evicted to the policy's share of it) and the scored half runs as decode steps over what it kept.
 
 Per scored token a run keeps the observed token, its -log p, and the top-K log-probs with their ids
 plus the tail mass, never the full-vocabulary logits (llama.cpp's base files are 37 GB for that).
@@ -104,7 +105,8 @@ def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str
     step = subject.batch_size * subject.dist.world  # one batch per rank, saved before the next
     for s in range(0, len(todo), step):
         idx = todo[s: s + step]
-        for i, own in zip(idx, subject.map_logprobs([windows[i] for i in idx], lambda j, lp: record(idx[j], lp))):
+        for i, own in zip(idx, subject.map_logprobs([windows[i] for i in idx], lambda j, lp: record(idx[j], lp),
+                                                      prompt_len=first)):
             store.save_part(task, f"chunk_{i:05d}", own)
             records[i] = own
             bar.update(1)

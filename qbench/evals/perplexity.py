@@ -99,6 +99,11 @@ def run(subject, cfg: Config, ctx) -> dict:
                         exact_chunks=cfg.exact_chunks)
     nll = cat(recs, "nll")
     out = {"llama_cpp": dict(ppl_se(nll), chunks=len(windows), ctx=cfg.ctx)}
+    ev = subject.eviction
+    if ev is not None and ev.tokens(cfg.rolling_len) < cfg.rolling_len:  # lm-eval scores whole windows: no prompt
+        out["lm_eval_rolling"] = {"skipped": "lm-eval's rolling windows score every token from the first, so "
+                                             "there is no prompt for KV eviction to compress; see llama_cpp"}
+        return _finish(out, ctx, recs, nll, [], time.perf_counter() - t0, len(windows))
     docs = articles(text)
     if cfg.rolling_docs:
         docs = docs[: cfg.rolling_docs]
@@ -115,8 +120,11 @@ def run(subject, cfg: Config, ctx) -> dict:
     total, words, nbytes = (sum(r[k] for r in items) for k in ("nll", "words", "bytes"))
     out["lm_eval_rolling"] = {"documents": len(items), "word_perplexity": math.exp(total / words),
                               "byte_perplexity": math.exp(total / nbytes), "bits_per_byte": total / nbytes / math.log(2)}
-    dt = time.perf_counter() - t0
-    out["throughput"] = {"seconds": dt, "items_per_s": (len(windows) + len(items)) / dt}
+    return _finish(out, ctx, recs, nll, items, time.perf_counter() - t0, len(windows))
+
+
+def _finish(out: dict, ctx, recs: list[dict], nll: torch.Tensor, items: list[dict], dt: float, windows: int) -> dict:
+    out["throughput"] = {"seconds": dt, "items_per_s": (windows + len(items)) / dt}
     out["score"] = out["llama_cpp"]["ppl"]
     if ctx.base_store is not None:
         bn = cat(recs, "nll_base")
@@ -124,7 +132,7 @@ def run(subject, cfg: Config, ctx) -> dict:
         out["vs_baseline"] = {"ln_ppl_ratio": lr.mean().item(), "ppl_ratio": math.exp(lr.mean().item()),
                               "nll_diff_ci": paired_bootstrap(bn.numpy(), nll.numpy(), ctx.seed)}
         base_items = ctx.base_store.load_items("perplexity")
-        if all(r["key"] in base_items for r in items):
+        if items and all(r["key"] in base_items for r in items):
             b = [base_items[r["key"]]["nll"] for r in items]
             out["vs_baseline"]["rolling_nll_diff_ci"] = paired_bootstrap(b, [r["nll"] for r in items], ctx.seed)
     return out

@@ -80,6 +80,11 @@ class Subject:
                 "kv_scheme": kv["scheme"], "kv_source": self.kv_source,
                 "kv_bytes_per_sequence_16k": round(kept * kv["bytes_per_token"] + kv["residual_bytes_per_sequence"])}
 
+    @property
+    def eviction(self):
+        """The KV eviction policy this subject runs under, or None."""
+        return self.engine.eviction
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
@@ -87,11 +92,12 @@ class Subject:
         """log-softmax (T, V) at every position of each window (this process only)."""
         return self.engine.score(windows)
 
-    def map_logprobs(self, windows: list[list[int]], fn) -> list:
+    def map_logprobs(self, windows: list[list[int]], fn, prompt_len: int | None = None) -> list:
         """``fn(i, logprobs)`` for each window i -> its results in order. Under data parallelism each rank
-        scores its share and only ``fn``'s (small) results travel, never the (T, V) log-probs."""
+        scores its share and only ``fn``'s (small) results travel, never the (T, V) log-probs. Under KV
+        eviction the tokens after ``prompt_len`` are scored as decode steps over the evicted cache."""
         def run(items):
-            return [fn(i, lp) for (i, _), lp in zip(items, self.engine.score([w for _, w in items]))]
+            return [fn(i, lp) for (i, _), lp in zip(items, self.engine.score([w for _, w in items], prompt_len))]
         return self.dist.map(list(enumerate(windows)), run, self.batch_size)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]):

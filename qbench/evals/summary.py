@@ -37,9 +37,11 @@ def render_summary(record: dict) -> str:
     if "perplexity" in t:
         p = t["perplexity"]
         r = p["lm_eval_rolling"]
+        rolling = ("rolling not run (KV eviction)" if "skipped" in r else
+                   f"rolling word PPL {r['word_perplexity']:.3f}, byte PPL {r['byte_perplexity']:.4f}, "
+                   f"bits/byte {r['bits_per_byte']:.4f} ({r['documents']} documents)")
         lines.append(f"perplexity: llama.cpp {_pm(p['llama_cpp'], 'ppl', 'ppl_se', '.3f')} ({p['llama_cpp']['tokens']} "
-                     f"tokens); rolling word PPL {r['word_perplexity']:.3f}, byte PPL {r['byte_perplexity']:.4f}, "
-                     f"bits/byte {r['bits_per_byte']:.4f} ({r['documents']} documents)")
+                     f"tokens); {rolling}")
     for name in ("gsm8k", "gsm8k_cot"):
         if name in t:
             g = t[name]

@@ -204,8 +204,9 @@ class QuantBlockKV:
         for prefix, codec, name in (("k", self.kcodec, "rk"), ("v", self.vcodec, "rv")):
             self._store(prefix, codec, blocks, self.s[name].view(-1, bs, nkv, hd)[ring_slot])  # (n, bs, nkv, hd)
 
-    def read_meta(self, meta) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual ring."""
+    def read_meta(self, meta, keys_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual ring (v None
+        with ``keys_only``: eviction's scores read keys alone)."""
         bt = meta.block_tables
         B, nblk = bt.shape
         s = self.s
@@ -215,7 +216,7 @@ class QuantBlockKV:
             stat = [s[prefix + x][bt] if prefix + x in s else None for x in ("s", "m")]
             return codec.dequantize(s[prefix + "c"][bt], *stat)
 
-        k, v = load("k", self.kcodec), load("v", self.vcodec)
+        k, v = load("k", self.kcodec), None if keys_only else load("v", self.vcodec)
         ctx = meta.context_lens
         nq = (ctx // bs - (self.windows - 1)).clamp(min=0)  # (B,) quantized blocks per row
         used = (ctx + bs - 1) // bs
@@ -224,7 +225,7 @@ class QuantBlockKV:
         if rows.numel():
             ring = (meta.kv_slots[rows], cols % self.windows)
             k[rows, cols] = s["rk"][ring].float()
-            v[rows, cols] = s["rv"][ring].float()
+            if v is not None:
+                v[rows, cols] = s["rv"][ring].float()
         k = k.view(B, nblk * bs, nkv, hd).transpose(1, 2)
-        v = v.view(B, nblk * bs, nkv, hd).transpose(1, 2)
-        return k, v
+        return k, None if v is None else v.view(B, nblk * bs, nkv, hd).transpose(1, 2)

@@ -48,7 +48,7 @@ def variant_row(v: Variant) -> dict:
     p = t.get("perplexity")
     if p is not None:
         row["wikitext_ppl"] = {"value": p["llama_cpp"]["ppl"], "se": p["llama_cpp"]["ppl_se"]}
-        row["bits_per_byte"] = p["lm_eval_rolling"]["bits_per_byte"]
+        row["bits_per_byte"] = p["lm_eval_rolling"].get("bits_per_byte")  # None where eviction skipped it
     n = t.get("needle")
     if n is not None:
         row["needle"] = {"score": n["score"], "by_length": n["by_length"], "items": n["items"]}

@@ -1,0 +1,99 @@
+"""Teacher-forced scoring (KLD, perplexity): log-probs at every position of given texts, through the engine's cache.
+
+Without eviction, or with a budget that covers a whole text, each text is one prefill.
+
+Under eviction a text is scored as a generation would see it: its first ``prompt_len`` tokens are the prompt,
+prefilled and then evicted down to the budget (the policy's share of the prompt); every later token is one
+decode step, fed the text's next token in place of a sampled one, and the cache is evicted again whenever it
+holds budget + one block. A scored position thus sees exactly the cache that generation would hold there, and
+its logits are that decode step's own. A whole-text prefill would let every position attend to the whole
+context, so eviction would change nothing that is scored.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qbench.engine.sampling import SamplingParams
+from qbench.engine.sequence import Sequence, make_sequences
+from qbench.errors import QBenchError
+
+
+def score(engine, token_lists: list[list[int]], prompt_len: int | None = None) -> list[torch.Tensor]:
+    """-> log_softmax logits (T_i, V) at every position of each list, float32. ``prompt_len`` matters only
+    under eviction (above)."""
+    seqs = make_sequences(token_lists, SamplingParams(max_new_tokens=1), engine.config.max_positions)
+    ev = engine.eviction
+    if ev is None:
+        return _prefilled(engine, seqs)
+    if prompt_len is None:
+        if all(len(s) <= ev.tokens(len(s)) for s in seqs):
+            return _prefilled(engine, seqs)
+        raise QBenchError(f"engine: teacher-forced scoring with KV eviction ({ev.describe()}) needs the prompt's "
+                          f"length: only the tokens after it are scored as decode steps over the evicted cache; "
+                          f"this task does not give one, so run it without kv.evict")
+    if not all(1 <= prompt_len < len(s) for s in seqs):
+        raise QBenchError(f"engine: a prompt of {prompt_len} tokens must leave at least one token of each text "
+                          f"(the shortest has {min(len(s) for s in seqs)}) to score")
+    if all(len(s) <= ev.tokens(prompt_len) for s in seqs):
+        return _prefilled(engine, seqs)
+    return _decoded(engine, token_lists, prompt_len)
+
+
+def _prefilled(engine, seqs: list[Sequence]) -> list[torch.Tensor]:
+    engine._size_pool([len(s) for s in seqs])
+    out = []
+    for i in range(0, len(seqs), engine.max_batch):
+        wave = seqs[i: i + engine.max_batch]
+        for j, s in enumerate(wave):
+            s.kv_slot = j
+            _room(engine, len(s))
+            engine.blocks.reserve(s, len(s))
+        logits = engine.runner.prefill(wave, all_logits=True)  # (B, T, V)
+        for j, s in enumerate(wave):
+            out.append(torch.log_softmax(logits[j, : len(s)], dim=-1))
+            engine.blocks.release(s)
+    return out
+
+
+def _decoded(engine, token_lists: list[list[int]], prompt_len: int) -> list[torch.Tensor]:
+    texts = [list(t) for t in token_lists]
+    params = [SamplingParams(max_new_tokens=len(t) - prompt_len, ignore_eos=True) for t in texts]
+    seqs = make_sequences([t[:prompt_len] for t in texts], params, engine.config.max_positions)
+    engine._size_pool([len(t) for t in texts])
+    ev, blocks = engine.evictor, engine.blocks
+    out: list[torch.Tensor] = []
+    for i in range(0, len(seqs), engine.max_batch):
+        wave, full = seqs[i: i + engine.max_batch], texts[i: i + engine.max_batch]
+        for j, s in enumerate(wave):
+            s.kv_slot = j
+            _room(engine, len(full[j]))
+            blocks.reserve(s, prompt_len)
+        logits = engine.runner.prefill(wave, all_logits=True)  # (B, prompt_len, V)
+        rows = [[torch.log_softmax(logits[j, :prompt_len], dim=-1)] for j in range(len(wave))]
+        del logits
+        for s in wave:
+            s.prefilled = True
+            ev.after_prefill(s)
+        while True:
+            live = [j for j, s in enumerate(wave) if len(s) < len(full[j])]
+            if not live:
+                break
+            for j in live:
+                s = wave[j]
+                s.output_ids.append(full[j][len(s)])  # the text's token, where generation would sample
+                blocks.prepare_write(s, len(s))
+            step = engine.runner.decode([wave[j] for j in live])  # (b, V)
+            for r, j in enumerate(live):
+                rows[j].append(torch.log_softmax(step[r: r + 1], dim=-1))
+                ev.after_decode(wave[j])
+        for j, s in enumerate(wave):
+            out.append(torch.cat(rows[j]))
+            blocks.release(s)
+            ev.forget(s)
+    return out
+
+
+def _room(engine, tokens: int) -> None:
+    if engine.cache is not None:  # a no-op with room
+        engine.cache.evict(engine.blocks.blocks_for(tokens) - engine.blocks.num_free)
