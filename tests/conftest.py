@@ -115,6 +115,7 @@ FP8W = "native FP8 e4m3 weight GEMM (W8A16), AVX2 on every CPU"
 DEQUANT = "native int8/int4/fp8 dequantize for prefill-sized rows (then oneDNN)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
 KV_ATTN = "native attention over quantized, FP8, fp16 and bf16 KV blocks"
+GPTQ = "native GPTQ column loop (float64, bit for bit the torch loop)"
 FUSED = "native one-call decode step (every layer of a step in qb_decode_layers)"
 TORCH = "torch path (kernels off, aten, aten-bf16 or reference)"
 _PATH_CALLS: dict[str, int] = {}
@@ -140,6 +141,8 @@ def _path_of(name: str, dll) -> str:
         return KV_ATTN
     if name == "qb_decode_layers":
         return FUSED
+    if name == "qb_gptq_block":
+        return GPTQ
     return DEQUANT if name in _DEQUANTS else FP32
 
 
@@ -190,7 +193,7 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
+    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, GPTQ] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "dequant.c", "attn_kv.c", "layer.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -100,6 +100,8 @@ def load() -> ctypes.CDLL | None:
         "qb_dequant_f8": [P] * 3 + [L] * 2 + [I],
         "qb_dequant_i4": [P] * 4 + [L] * 3 + [I],
         "qb_set_isa": [I],
+        # W1, Hinv1; N, B, c0, c1; gidx, scales, zeros; ngroups; bits; codes, err; threads
+        "qb_gptq_block": [P, P, L, L, L, L, P, P, P, L, I, P, P, I],
         # layers (qb_layer *), n, step (qb_step *), x, scratch, stages, threads
         "qb_decode_layers": [P, L, P, P, P, I, I],
     }

@@ -173,13 +173,17 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
     with torch.inference_mode():
         positions = torch.arange(calib.shape[1]).expand_as(calib)
         x = model.embed(calib, positions)  # (S, T, H)
+        t_blocks = time.perf_counter()
         for bi, block in enumerate(model.blocks):
             prefix = f"blocks.{bi}."
             names = [p for p in todo if p.startswith(prefix)]
             inputs = _capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens,
                               hessian=ws.method == "gptq", maxima=recipe.smoothquant is not None)
+            clips = {}
             if ws.method == "awq":
                 _awq_block(model, block, bi, inputs, recipe, res)
+                if recipe.awq.clip:
+                    clips = _awq_clip_block(block, bi, [n[len(prefix):] for n in names], inputs, recipe, res)
             if recipe.smoothquant is not None:
                 _smoothquant_block(model, block, bi, inputs, recipe, res)
             for name in names:
@@ -189,27 +193,46 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     q = gptq.gptq_quantize(W, H, ws.bits, ws.group_size, ws.symmetric, recipe.gptq.damp,
                                            recipe.gptq.block_size, recipe.gptq.act_order)
                 else:
-                    q = rtn(W, ws.bits, ws.group_size, ws.symmetric, ws.type)
+                    clip = clips.get(name[len(prefix):])
+                    Wc = W if clip is None else awq.apply_clip(W, clip, ws.group_size if ws.bits == 4 else None)
+                    q = rtn(Wc, ws.bits, ws.group_size, ws.symmetric, ws.type)
                 _replace(model, name, q, W, inputs[name[len(prefix):]], res, ws.activations)
             x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
-            log(f"  block {bi + 1}/{len(model.blocks)} quantized ({ws.method}"
-                f"{' + smoothquant' if recipe.smoothquant else ''})")
+            log(progress(bi + 1, len(model.blocks), time.perf_counter() - t_blocks,
+                         ws.method + (" + smoothquant" if recipe.smoothquant else "")))
         if "lm_head" in todo:
             _head_rtn(model, recipe, res)
     res.seconds = time.perf_counter() - t0
     return res
 
 
+def progress(done: int, total: int, elapsed: float, what: str) -> str:
+    """One progress line: blocks done, time so far and the time left at the rate so far."""
+    left = elapsed / done * (total - done)
+    return (f"  block {done}/{total} quantized ({what}), {_clock(elapsed)} elapsed, "
+            + (f"about {_clock(left)} left" if done < total else "done"))
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+class _Captured(Exception):
+    """Raised at the last captured linear's input: the rest of the block's forward would be thrown away."""
+
+
 def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hessian: bool = True,
              maxima: bool = True) -> dict:
     """Inputs of the named linears of ``block`` on x: a token subsample for AWQ and errors, and the
-    full Hessian (under "H:name") for GPTQ."""
+    full Hessian (under "H:name") for GPTQ. The forward stops at down_proj's input when down_proj is
+    captured: it is the last linear of every family's block, and its product is never used."""
     store: dict = {}
     hooks = []
     g = torch.Generator().manual_seed(0)
 
     def hook(name):
-        def fn(mod, args, out):
+        def fn(mod, args):
             xin = args[0].reshape(-1, args[0].shape[-1]).float()
             if hessian:
                 store["H:" + name], store["n:" + name] = gptq.hessian_add(store.get("H:" + name), xin,
@@ -219,12 +242,16 @@ def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hes
             if maxima:  # every token's per-channel max |x| (under "max:name"), for SmoothQuant
                 amax = xin.abs().amax(0)
                 store["max:" + name] = amax if "max:" + name not in store else torch.maximum(store["max:" + name], amax)
+            if name == "down_proj":
+                raise _Captured
         return fn
 
     for n in names:
-        hooks.append(block.get_submodule(n).register_forward_hook(hook(n)))
+        hooks.append(block.get_submodule(n).register_forward_pre_hook(hook(n)))
     try:
         _block_forward(cfg, block, x)
+    except _Captured:
+        pass
     finally:
         for h in hooks:
             h.remove()
@@ -243,6 +270,27 @@ def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantRe
         rec.update({"block": bi, "smooth": smooth, "balance": balance})
         res.layers.append({"module": f"blocks.{bi}.{balance[0]}", "awq": rec})
         _fold(block, smooth, balance, s, inputs, xname)
+
+
+def _awq_clip_block(block, bi: int, names: list[str], inputs: dict, recipe: Recipe, res: QuantResult) -> dict:
+    """AWQ's clipping search for each linear of one block, after its scales are folded, as llm-awq runs it:
+    the clip values (N, ngroups) per linear name. q and k are left unclipped (llm-awq skips them: their
+    rounding reaches the attention scores, which a group's output MSE does not see), so a fused qkv is
+    searched on its v rows only."""
+    ws = recipe.weights
+    group = ws.group_size if ws.bits == 4 else None
+    out = {}
+    for name in names:
+        W = block.get_submodule(name).weight.float()
+        rows = slice(0, W.shape[0])
+        if name == "qkv":
+            rows = slice((block.nh + block.nkv) * block.hd, W.shape[0])
+        clip, rec = awq.search_clip(inputs[name], W[rows], ws.bits, group, ws.symmetric, recipe.awq.grid)
+        full = torch.full((W.shape[0], clip.shape[1]), float("inf"))
+        full[rows] = clip
+        out[name] = full
+        res.layers.append({"module": f"blocks.{bi}.{name}", "awq_clip": dict(rec, rows=[rows.start, rows.stop])})
+    return out
 
 
 def _smoothquant_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantResult) -> None:

@@ -43,3 +43,51 @@ def search_scales(X: torch.Tensor, W: torch.Tensor, bits: int, group: int | None
         if loss < best_loss:
             best, best_loss, best_ratio = s, loss, r
     return best, {"best_ratio": best_ratio, "best_mse": best_loss, "mse_at_ratio_0": losses[0]}
+
+
+CLIP_TOKENS = 512  # calibration tokens the clipping search scores on (every n-th of the captured sample)
+CLIP_ROWS = 1024  # output channels searched at a time: bounds the (tokens, rows, groups) partial outputs
+
+
+def search_clip(X: torch.Tensor, W: torch.Tensor, bits: int, group: int | None, symmetric: bool,
+                grid: int = 20, max_shrink: float = 0.5) -> tuple[torch.Tensor, dict]:
+    """AWQ's clipping search (llm-awq's auto_clip): per output channel and group, the largest |w| the grid
+    keeps, max|w| * (1 - i / grid) for i = 0 .. max_shrink * grid - 1, chosen by the MSE of the group's partial
+    output X_g (Q(clamp(W_g)))^T against X_g W_g^T. X (T, K) calibration inputs, W (N, K) -> the clip values
+    (N, ngroups) and a record. A whole row is one group for per-channel schemes (INT8)."""
+    X, W = X.float(), W.float()
+    step = max(1, X.shape[0] // CLIP_TOKENS)
+    X = X[::step][:CLIP_TOKENS]
+    N, K = W.shape
+    G = group or K
+    Kp = padded_width(K, G)
+    Xg = torch.nn.functional.pad(X, (0, Kp - K)).view(X.shape[0], -1, G).transpose(0, 1)  # (ng, T, G)
+    Wg = torch.nn.functional.pad(W, (0, Kp - K)).view(N, -1, G)  # (N, ng, G)
+    org_max = Wg.abs().amax(-1)  # (N, ng)
+    best_max = org_max.clone()
+    shrinks = range(int(max_shrink * grid))
+    moved = torch.zeros(N, Wg.shape[1], dtype=torch.int64)
+    for r0 in range(0, N, CLIP_ROWS):
+        w = Wg[r0: r0 + CLIP_ROWS]  # (n, ng, G)
+        ref = torch.bmm(Xg, w.permute(1, 2, 0))  # (ng, T, n)
+        best = torch.full(w.shape[:2], float("inf"))
+        for i in shrinks:
+            m = org_max[r0: r0 + CLIP_ROWS] * (1 - i / grid)  # (n, ng)
+            wc = torch.maximum(torch.minimum(w, m[..., None]), -m[..., None]).reshape(w.shape[0], -1)[:, :K]
+            wq = torch.nn.functional.pad(fake_quantize(wc, bits, group, symmetric), (0, Kp - K)).view(w.shape)
+            err = (torch.bmm(Xg, wq.permute(1, 2, 0)) - ref).pow(2).mean(1).t()  # (n, ng)
+            better = err < best
+            best = torch.where(better, err, best)
+            best_max[r0: r0 + CLIP_ROWS] = torch.where(better, m, best_max[r0: r0 + CLIP_ROWS])
+            moved[r0: r0 + CLIP_ROWS] = torch.where(better, torch.full_like(moved[r0: r0 + CLIP_ROWS], i),
+                                                    moved[r0: r0 + CLIP_ROWS])
+    return best_max, {"clipped_fraction": (moved > 0).float().mean().item(),
+                      "mean_shrink": (moved.float() / grid).mean().item()}
+
+
+def apply_clip(W: torch.Tensor, max_val: torch.Tensor, group: int | None) -> torch.Tensor:
+    """W (N, K) with each group's values clamped to +-max_val (N, ngroups)."""
+    N, K = W.shape
+    G = group or K
+    m = max_val.repeat_interleave(G, dim=1)[:, :K]
+    return torch.maximum(torch.minimum(W.float(), m), -m)

@@ -136,10 +136,13 @@ class GPTQOptions:
 class AWQOptions:
     grid: int = 20
     max_tokens: int = 4096  # calibration tokens kept per layer for the scale search
+    clip: bool = False  # llm-awq's clipping search (auto_clip) after the scales: see awq.search_clip
 
     def validate(self, where: str) -> None:
         if self.grid < 1 or self.max_tokens < 1:
             raise RecipeError(f"{where}: awq.grid and awq.max_tokens must be >= 1")
+        if not isinstance(self.clip, bool):
+            raise RecipeError(f"{where}: awq.clip: {self.clip!r} must be true or false")
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,9 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
         kwargs[section] = obj
     if data.get("kv") is not None:
         kwargs["kv"] = kv_from_dict(data["kv"], where)
+    if "awq" in kwargs and kwargs["awq"].clip and getattr(kwargs.get("weights"), "method", None) != "awq":
+        raise RecipeError(f"{where}: awq.clip: the clipping search runs after AWQ's scales; set weights.method: awq, "
+                          f"or drop awq.clip")
     if "smoothquant" in kwargs:
         ws = kwargs.get("weights")
         if ws is None or ws.activations != "int8":
