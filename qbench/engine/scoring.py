@@ -20,27 +20,30 @@ from qbench.errors import QBenchError
 
 
 def score(engine, token_lists: list[list[int]], prompt_len: int | None = None) -> list[torch.Tensor]:
-    """-> log_softmax logits (T_i, V) at every position of each list, float32. ``prompt_len`` matters only
-    under eviction (above)."""
+    """-> log_softmax logits, float32, of each list: (T_i, V) at every position, or with ``prompt_len`` only from the
+    prompt's last position on, (T_i - prompt_len + 1, V): row r is position prompt_len - 1 + r. The prompt's other
+    rows predict nothing a caller with a prompt scores, and at a 4k window of a 152k vocabulary they would take
+    GBs. Under eviction ``prompt_len`` also says where decode begins (above)."""
     seqs = make_sequences(token_lists, SamplingParams(max_new_tokens=1), engine.config.max_positions)
     ev = engine.eviction
+    if prompt_len is not None and not all(1 <= prompt_len < len(s) for s in seqs):
+        raise QBenchError(f"engine: a prompt of {prompt_len} tokens must leave at least one token of each text "
+                          f"(the shortest has {min(len(s) for s in seqs)}) to score")
+    start = 0 if prompt_len is None else prompt_len - 1
     if ev is None:
-        return _prefilled(engine, seqs)
+        return _prefilled(engine, seqs, start)
     if prompt_len is None:
         if all(len(s) <= ev.tokens(len(s)) for s in seqs):
-            return _prefilled(engine, seqs)
+            return _prefilled(engine, seqs, start)
         raise QBenchError(f"engine: teacher-forced scoring with KV eviction ({ev.describe()}) needs the prompt's "
                           f"length: only the tokens after it are scored as decode steps over the evicted cache; "
                           f"this task does not give one, so run it without kv.evict")
-    if not all(1 <= prompt_len < len(s) for s in seqs):
-        raise QBenchError(f"engine: a prompt of {prompt_len} tokens must leave at least one token of each text "
-                          f"(the shortest has {min(len(s) for s in seqs)}) to score")
     if all(len(s) <= ev.tokens(prompt_len) for s in seqs):
-        return _prefilled(engine, seqs)
+        return _prefilled(engine, seqs, start)
     return _decoded(engine, token_lists, prompt_len)
 
 
-def _prefilled(engine, seqs: list[Sequence]) -> list[torch.Tensor]:
+def _prefilled(engine, seqs: list[Sequence], start: int) -> list[torch.Tensor]:
     engine._size_pool([len(s) for s in seqs])
     out = []
     for i in range(0, len(seqs), engine.max_batch):
@@ -51,7 +54,7 @@ def _prefilled(engine, seqs: list[Sequence]) -> list[torch.Tensor]:
             engine.blocks.reserve(s, len(s))
         logits = engine.runner.prefill(wave, all_logits=True)  # (B, T, V)
         for j, s in enumerate(wave):
-            out.append(torch.log_softmax(logits[j, : len(s)], dim=-1))
+            out.append(torch.log_softmax(logits[j, start: len(s)], dim=-1))
             engine.blocks.release(s)
     return out
 
@@ -69,9 +72,8 @@ def _decoded(engine, token_lists: list[list[int]], prompt_len: int) -> list[torc
             s.kv_slot = j
             _room(engine, len(full[j]))
             blocks.reserve(s, prompt_len)
-        logits = engine.runner.prefill(wave, all_logits=True)  # (B, prompt_len, V)
-        rows = [[torch.log_softmax(logits[j, :prompt_len], dim=-1)] for j in range(len(wave))]
-        del logits
+        last = engine.runner.prefill(wave)  # (B, V): the prompt's last position, before any eviction
+        rows = [[torch.log_softmax(last[j: j + 1], dim=-1)] for j in range(len(wave))]
         for s in wave:
             s.prefilled = True
             ev.after_prefill(s)

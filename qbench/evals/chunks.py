@@ -84,7 +84,7 @@ def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str
 
     def record(i: int, lp: torch.Tensor) -> dict[str, torch.Tensor]:
         w = torch.tensor(windows[i])
-        lq = lp[first: len(w) - 1]  # (N, V), N = ctx/2 - 1
+        lq = lp[1: len(w) - first]  # (N, V), N = ctx/2 - 1: positions first .. ctx - 2 (lp begins at first - 1)
         own = base_record(lq, w[first + 1:], top_k)
         if i < exact_chunks:
             own["full_lp"] = lq.half()

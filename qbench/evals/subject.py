@@ -94,8 +94,9 @@ class Subject:
 
     def map_logprobs(self, windows: list[list[int]], fn, prompt_len: int | None = None) -> list:
         """``fn(i, logprobs)`` for each window i -> its results in order. Under data parallelism each rank
-        scores its share and only ``fn``'s (small) results travel, never the (T, V) log-probs. Under KV
-        eviction the tokens after ``prompt_len`` are scored as decode steps over the evicted cache."""
+        scores its share and only ``fn``'s (small) results travel, never the (T, V) log-probs. With ``prompt_len``
+        the log-probs begin at position prompt_len - 1 (``Engine.score``), and under KV eviction the tokens after
+        the prompt are scored as decode steps over the evicted cache."""
         def run(items):
             return [fn(i, lp) for (i, _), lp in zip(items, self.engine.score([w for _, w in items], prompt_len))]
         return self.dist.map(list(enumerate(windows)), run, self.batch_size)

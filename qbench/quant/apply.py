@@ -57,6 +57,8 @@ def targets(model: CausalLM, recipe: Recipe) -> list[str]:
             continue
         if any(s in path for s in ws.skip):
             continue
+        if path != "lm_head" and ws.linear_scheme(path) is None:  # an fp override
+            continue
         out.append(path)
     return out
 
@@ -138,6 +140,13 @@ def _block_forward(cfg, block, x: torch.Tensor) -> torch.Tensor:
 def check_recipe(model: CausalLM, recipe: Recipe) -> None:
     """What a recipe asks that this model cannot take, refused before any work."""
     ws = recipe.weights
+    from fnmatch import fnmatchcase
+    names = [p for p, _ in model.linear_map() if p != "lm_head"]
+    for i, o in enumerate(ws.overrides):
+        if not any(fnmatchcase(n, o.match) for n in names):
+            raise QBenchError(f"recipe {recipe.name}: weights.overrides[{i}].match: {o.match!r} matches no linear of "
+                              f"this model; its linears are named like {names[0]}, {names[-1]} "
+                              f"(the head is set by weights.lm_head)")
     if ws.method == "awq" and model.config.family != "llama":
         raise QBenchError(f"AWQ is implemented for the Llama family; {model.config.model_type} is not; use rtn or gptq")
     if recipe.smoothquant is not None and model.config.family != "llama":
@@ -163,7 +172,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                 _head_rtn(model, recipe, res)
                 continue
             W = _get(model, path).weight.float()
-            _replace(model, path, rtn(W, ws.bits, ws.group_size, ws.symmetric, ws.type), W, None, res,
+            _replace(model, path, rtn(W, *ws.linear_scheme(path)), W, None, res,
                      ws.activations)
         res.seconds = time.perf_counter() - t0
         return res
@@ -188,14 +197,15 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                 _smoothquant_block(model, block, bi, inputs, recipe, res)
             for name in names:
                 W = _get(model, name).weight.float()
+                bits, group, sym, kind = ws.linear_scheme(name)
                 if ws.method == "gptq":
                     H = inputs["H:" + name[len(prefix):]]
-                    q = gptq.gptq_quantize(W, H, ws.bits, ws.group_size, ws.symmetric, recipe.gptq.damp,
+                    q = gptq.gptq_quantize(W, H, bits, group, sym, recipe.gptq.damp,
                                            recipe.gptq.block_size, recipe.gptq.act_order)
                 else:
                     clip = clips.get(name[len(prefix):])
-                    Wc = W if clip is None else awq.apply_clip(W, clip, ws.group_size if ws.bits == 4 else None)
-                    q = rtn(Wc, ws.bits, ws.group_size, ws.symmetric, ws.type)
+                    Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
+                    q = rtn(Wc, bits, group, sym, kind)
                 _replace(model, name, q, W, inputs[name[len(prefix):]], res, ws.activations)
             x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             log(progress(bi + 1, len(model.blocks), time.perf_counter() - t_blocks,
@@ -266,7 +276,8 @@ def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantRe
             continue
         X = inputs[xname]
         W = torch.cat([block.get_submodule(b).weight.float() for b in balance])
-        s, rec = awq.search_scales(X, W, ws.bits, ws.group_size, ws.symmetric, recipe.awq.grid)
+        bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{balance[0]}")  # one fused linear per mapping
+        s, rec = awq.search_scales(X, W, bits, group, sym, recipe.awq.grid)
         rec.update({"block": bi, "smooth": smooth, "balance": balance})
         res.layers.append({"module": f"blocks.{bi}.{balance[0]}", "awq": rec})
         _fold(block, smooth, balance, s, inputs, xname)
@@ -278,14 +289,15 @@ def _awq_clip_block(block, bi: int, names: list[str], inputs: dict, recipe: Reci
     rounding reaches the attention scores, which a group's output MSE does not see), so a fused qkv is
     searched on its v rows only."""
     ws = recipe.weights
-    group = ws.group_size if ws.bits == 4 else None
     out = {}
     for name in names:
+        bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{name}")
+        group = group if bits == 4 else None
         W = block.get_submodule(name).weight.float()
         rows = slice(0, W.shape[0])
         if name == "qkv":
             rows = slice((block.nh + block.nkv) * block.hd, W.shape[0])
-        clip, rec = awq.search_clip(inputs[name], W[rows], ws.bits, group, ws.symmetric, recipe.awq.grid)
+        clip, rec = awq.search_clip(inputs[name], W[rows], bits, group, sym, recipe.awq.grid)
         full = torch.full((W.shape[0], clip.shape[1]), float("inf"))
         full[rows] = clip
         out[name] = full
@@ -305,7 +317,8 @@ def _smoothquant_block(model, block, bi: int, inputs: dict, recipe: Recipe, res:
         tie = (lambda t: smoothing.tie_groups(t, cfg.num_kv_heads, cfg.head_dim)) if smooth == "v" else None
         rec = {"block": bi, "smooth": smooth, "balance": balance, "alpha": sq.alpha}
         if sq.search:
-            _, found = smoothing.search_alpha(X, x_max, W, ws.bits, ws.group_size, ws.symmetric, tie=tie)
+            bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{balance[0]}")
+            _, found = smoothing.search_alpha(X, x_max, W, bits, group, sym, tie=tie)
             rec.update(found)
         s = smoothing.smoothquant_scales(x_max, W, rec["alpha"], tie)
         rec["outlier_ratio_before"] = (x_max.max() / x_max.median().clamp(min=1e-8)).item()  # max / median of

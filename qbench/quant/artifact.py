@@ -307,6 +307,13 @@ def load_artifact(folder: Path, dtype: torch.dtype = torch.float32, shard=None) 
                                   f"{name + suffix} should be {shape}, but the tensors have {got}; the manifest "
                                   f"does not match the weights: re-create the artifact")
     ModelConfig.from_folder(folder)
+    if shard is not None:
+        layer_schemes = {json.dumps(scheme_of(scheme, info), sort_keys=True)
+                         for name, info in manifest.get("quantized", {}).items() if not name.startswith("lm_head")}
+        if len(layer_schemes) > 1:
+            raise QBenchError(f"tensor parallel: {folder} mixes weight schemes across its decoder linears (a recipe's "
+                              f"weights.overrides), and the shards are cut by one scheme's groups; run it in one "
+                              f"process, or quantize with one scheme")
     factory = QuantFactory(manifest["scheme"], manifest.get("quantized", {}), str(folder), manifest.get("embedding"))
     tensors = LazyTensors(folder, dtype)
     model = load_model(folder, dtype, tensors=tensors, factory=factory,

@@ -120,6 +120,7 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
     manifest = {
         "recipe": recipe.to_dict(), "source": src_record, "versions": versions(), "seed": recipe.calibration.seed,
         "calibration": calib_record, "layers": [] if result is None else result.layers,
+        "fp_linears": [] if result is None else [p for p, _ in model.linear_map() if p not in result.qtensors],
         "quantize_seconds": None if result is None else round(result.seconds, 2),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "kv": None if recipe.kv is None else dict(recipe.kv.to_dict(), memory=kv_memory(

@@ -61,6 +61,38 @@ class HeadScheme:
 
 
 @dataclass(frozen=True)
+class Override:
+    """Another scheme for the decoder linears whose qbench name matches ``match`` (a glob over names such as
+    ``blocks.3.qkv``, ``blocks.*.down_proj`` or ``blocks.0.*`` for a whole block). Fields left out keep the
+    base scheme's; ``fp: true`` keeps the matched linears in full precision. The output head has its own
+    field (``lm_head``) and is never matched."""
+    match: str = ""
+    bits: int | None = None
+    group_size: int | None = None
+    symmetric: bool | None = None
+    fp: bool = False
+
+    def validate(self, where: str, section: str) -> None:
+        if not isinstance(self.match, str) or not self.match:
+            raise RecipeError(f"{where}: {section}.match: {self.match!r} must be a non-empty name pattern, e.g. "
+                              f"blocks.*.down_proj")
+        if not isinstance(self.fp, bool):
+            raise RecipeError(f"{where}: {section}.fp: {self.fp!r} must be true or false")
+        if self.fp and (self.bits, self.group_size, self.symmetric) != (None, None, None):
+            raise RecipeError(f"{where}: {section}: fp: true keeps the linears in full precision; drop bits, "
+                              f"group_size and symmetric")
+
+    def apply(self, base: tuple, where: str, section: str) -> tuple:
+        """(bits, group_size, symmetric) of the base scheme -> this override's, validated."""
+        bits = base[0] if self.bits is None else self.bits
+        group = self.group_size if self.group_size is not None else (None if bits == 8 else
+                                                                       base[1] if base[0] == 4 else None)
+        sym = self.symmetric if self.symmetric is not None else (True if bits == 8 else base[2])
+        _check_int_scheme(where, section, bits, group, sym)
+        return bits, group, sym
+
+
+@dataclass(frozen=True)
 class WeightScheme:
     bits: int = 4
     group_size: int | None = 128
@@ -71,6 +103,7 @@ class WeightScheme:
     skip: tuple[str, ...] = ()  # module-name substrings kept in full precision
     activations: str = "fp32"  # int8: per-token int8 inputs for every quantized linear, the head too (W4A8, W8A8)
     type: str = "int"  # float: FP8 e4m3 codes per output channel (bits: 8), fp32 activations (W8A16)
+    overrides: tuple[Override, ...] = ()  # per-linear schemes by name pattern over this base; the last match wins
 
     def validate(self, where: str) -> None:
         _check_int_scheme(where, "weights", self.bits, self.group_size, self.symmetric)
@@ -92,6 +125,32 @@ class WeightScheme:
         if self.embedding not in EMBEDDING_SCHEMES:
             raise RecipeError(f"{where}: weights.embedding: {self.embedding!r} is not supported (supported: "
                               f"{', '.join(EMBEDDING_SCHEMES)})")
+        self.check_overrides(where)
+
+    def check_overrides(self, where: str) -> None:
+        for i, o in enumerate(self.overrides):
+            section = f"weights.overrides[{i}]"
+            o.validate(where, section)
+            if o.fp:
+                continue
+            if self.type != "int":
+                raise RecipeError(f"{where}: {section}: the base scheme is FP8; overrides take integer schemes "
+                                  f"(or fp: true) over an integer base")
+            bits = o.apply((self.bits, self.group_size, self.symmetric), where, section)[0]
+            if not scheme_fits(bits, self.activations, self.type):
+                raise RecipeError(f"{where}: {section}.bits: {bits} does not run with activations: "
+                                  f"{self.activations}")
+
+    def linear_scheme(self, path: str) -> tuple[int, int | None, bool, str] | None:
+        """(bits, group_size, symmetric, type) of the decoder linear ``path`` after the overrides, or None when
+        it stays in full precision (an ``fp`` override)."""
+        from fnmatch import fnmatchcase
+        base = (self.bits, self.group_size, self.symmetric)
+        scheme = (*base, self.type)
+        for o in self.overrides:  # each against the base scheme (validated so at load), the last match winning
+            if fnmatchcase(path, o.match):
+                scheme = None if o.fp else (*o.apply(base, "", ""), self.type)
+        return scheme
 
     def head_scheme(self) -> tuple[int, int | None, bool, str] | None:
         """(bits, group_size, symmetric, type) of the output head, or None when it stays in full precision."""
@@ -200,6 +259,8 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
             if not isinstance(raw["skip"], list) or not all(isinstance(x, str) for x in raw["skip"]):
                 raise RecipeError(f"{where}: {section}.skip: {raw['skip']!r} must be a list of module-name substrings")
             raw["skip"] = tuple(raw["skip"])
+        if section == "weights" and "overrides" in raw:
+            raw["overrides"] = _overrides(raw["overrides"], where)
         if section == "weights" and isinstance(raw.get("lm_head"), dict):
             _check_keys(where, "weights.lm_head", raw["lm_head"], HeadScheme)
             raw["lm_head"] = HeadScheme(**raw["lm_head"])
@@ -225,6 +286,19 @@ def recipe_from_dict(data: dict, where: str) -> Recipe:
             raise RecipeError(f"{where}: smoothquant: AWQ folds its own scales into the same norms; use method rtn "
                               f"or gptq with smoothquant")
     return Recipe(**kwargs)
+
+
+def _overrides(raw, where: str) -> tuple[Override, ...]:
+    if not isinstance(raw, list):
+        raise RecipeError(f"{where}: weights.overrides: must be a list of mappings {{match, bits, group_size, "
+                          f"symmetric, fp}}")
+    out = []
+    for i, item in enumerate(raw):
+        _check_keys(where, f"weights.overrides[{i}]", item, Override)
+        o = Override(**item)
+        check_fields(o, where, f"weights.overrides[{i}]", RecipeError)
+        out.append(o)
+    return tuple(out)
 
 
 def kv_from_dict(raw, where: str) -> KVScheme:
