@@ -115,7 +115,7 @@ def test_inverse_cholesky_is_the_upper_factor_of_the_inverse(K):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 def test_the_capture_pass_stops_at_down_proj_and_captures_what_a_full_forward_sees(tiny_models, family):
     from qbench.models.registry import load_model
-    from qbench.quant.apply import _block_forward, _capture
+    from qbench.quant.passes import block_forward, capture
     model = load_model(tiny_models[family][0])
     block = model.blocks[0]
     x = torch.randn(2, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -125,10 +125,10 @@ def test_the_capture_pass_stops_at_down_proj_and_captures_what_a_full_forward_se
         hooks.append(block.get_submodule(n).register_forward_hook(
             lambda mod, args, out, n=n: seen.__setitem__(n, args[0].reshape(-1, args[0].shape[-1]).clone())))
     with torch.inference_mode():
-        _block_forward(model.config, block, x)
+        block_forward(model.config, block, x)
         for h in hooks:
             h.remove()
-        store = _capture(model.config, block, x, names, max_tokens=4096)
+        store = capture(model.config, block, x, names, max_tokens=4096)
     for n in names:
         assert torch.equal(store[n], seen[n])
         H, _ = gptq.hessian_add(None, seen[n], 0)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from qbench.quant import awq, gptq
-from qbench.quant.apply import _capture, rtn
+from qbench.quant.apply import rtn
+from qbench.quant.passes import capture
 from qbench.quant.calibration import calibration_windows
 from qbench.quant.primitives import dequantize, fake_quantize
 from qbench.quant.recipe import Calibration
@@ -19,11 +20,11 @@ def layer_inputs(smollm2):
     calib, _ = calibration_windows(load_tokenizer(smollm2), Calibration(samples=4, seq_len=128, seed=0))
     with torch.inference_mode():
         x = model.embed(calib, torch.arange(128).expand_as(calib))
-        from qbench.quant.apply import _block_forward
+        from qbench.quant.passes import block_forward
         for block in model.blocks[:4]:
-            x = _block_forward(model.config, block, x)
+            x = block_forward(model.config, block, x)
         block = model.blocks[4]
-        store = _capture(model.config, block, x, ["qkv", "o_proj", "gate_up", "down_proj"], max_tokens=512)
+        store = capture(model.config, block, x, ["qkv", "o_proj", "gate_up", "down_proj"], max_tokens=512)
     return model, block, store
 
 

@@ -7,7 +7,8 @@ import torch
 from qbench.errors import QBenchError
 from qbench.layers.attention import AttnMetadata
 from qbench.quant import smoothing
-from qbench.quant.apply import _capture, quantize_model
+from qbench.quant.apply import quantize_model
+from qbench.quant.passes import capture
 from qbench.quant.recipe import RecipeError, load_recipe
 
 
@@ -83,7 +84,7 @@ def test_the_alpha_search_keeps_the_best_of_its_grid(tiny_models):
     model = _outlier_model(tiny_models)
     block = model.blocks[0]
     x = torch.randn(2, 24, model.config.hidden_size) * 2
-    store = _capture(model.config, block, x, ["qkv"], max_tokens=4096, hessian=False)
+    store = capture(model.config, block, x, ["qkv"], max_tokens=4096, hessian=False)
     W = block.qkv.weight.float()
     alpha, rec = smoothing.search_alpha(store["qkv"], store["max:qkv"], W, 8, None, True)
     assert alpha in smoothing.ALPHA_GRID and rec["mse"] == min(rec["mse_by_alpha"].values())

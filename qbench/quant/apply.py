@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 from qbench.errors import QBenchError
-from qbench.layers.attention import AttnMetadata, build_mask
 from qbench.layers.embedding import Embedding
 from qbench.models.base import CausalLM
 from qbench.quant import awq, gptq, smoothing
+from qbench.quant.passes import block_forward, capture, progress
 from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, quantize_fp8, quantize_int4, \
     quantize_int8
 from qbench.quant.qembedding import Int8Embedding
@@ -130,13 +130,6 @@ def quantize_embedding(model: CausalLM, recipe: Recipe, res: QuantResult) -> Non
                        "weight_rel_error": ((stored - table).norm() / table.norm()).item()})
 
 
-def _block_forward(cfg, block, x: torch.Tensor) -> torch.Tensor:
-    """One block on the cache-free path: x (S, T, H) -> (S, T, H)."""
-    S, T, _ = x.shape
-    meta = AttnMetadata(positions=torch.arange(T).expand(S, T))
-    return block(x, build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window), meta, None)
-
-
 def check_recipe(model: CausalLM, recipe: Recipe) -> None:
     """What a recipe asks that this model cannot take, refused before any work."""
     ws = recipe.weights
@@ -186,7 +179,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
         for bi, block in enumerate(model.blocks):
             prefix = f"blocks.{bi}."
             names = [p for p in todo if p.startswith(prefix)]
-            inputs = _capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens,
+            inputs = capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens,
                               hessian=ws.method == "gptq", maxima=recipe.smoothquant is not None)
             clips = {}
             if ws.method == "awq":
@@ -207,65 +200,13 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
                     q = rtn(Wc, bits, group, sym, kind)
                 _replace(model, name, q, W, inputs[name[len(prefix):]], res, ws.activations)
-            x = _block_forward(model.config, block, x)  # the quantized block's output feeds the next block
+            x = block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             log(progress(bi + 1, len(model.blocks), time.perf_counter() - t_blocks,
                          ws.method + (" + smoothquant" if recipe.smoothquant else "")))
         if "lm_head" in todo:
             _head_rtn(model, recipe, res)
     res.seconds = time.perf_counter() - t0
     return res
-
-
-def progress(done: int, total: int, elapsed: float, what: str) -> str:
-    """One progress line: blocks done, time so far and the time left at the rate so far."""
-    left = elapsed / done * (total - done)
-    return (f"  block {done}/{total} quantized ({what}), {_clock(elapsed)} elapsed, "
-            + (f"about {_clock(left)} left" if done < total else "done"))
-
-
-def _clock(seconds: float) -> str:
-    m, s = divmod(int(round(seconds)), 60)
-    return f"{m}m{s:02d}s" if m else f"{s}s"
-
-
-class _Captured(Exception):
-    """Raised at the last captured linear's input: the rest of the block's forward would be thrown away."""
-
-
-def _capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hessian: bool = True,
-             maxima: bool = True) -> dict:
-    """Inputs of the named linears of ``block`` on x: a token subsample for AWQ and errors, and the
-    full Hessian (under "H:name") for GPTQ. The forward stops at down_proj's input when down_proj is
-    captured: it is the last linear of every family's block, and its product is never used."""
-    store: dict = {}
-    hooks = []
-    g = torch.Generator().manual_seed(0)
-
-    def hook(name):
-        def fn(mod, args):
-            xin = args[0].reshape(-1, args[0].shape[-1]).float()
-            if hessian:
-                store["H:" + name], store["n:" + name] = gptq.hessian_add(store.get("H:" + name), xin,
-                                                                           store.get("n:" + name, 0))
-            keep = xin if xin.shape[0] <= max_tokens else xin[torch.randperm(xin.shape[0], generator=g)[:max_tokens]]
-            store[name] = keep.clone()
-            if maxima:  # every token's per-channel max |x| (under "max:name"), for SmoothQuant
-                amax = xin.abs().amax(0)
-                store["max:" + name] = amax if "max:" + name not in store else torch.maximum(store["max:" + name], amax)
-            if name == "down_proj":
-                raise _Captured
-        return fn
-
-    for n in names:
-        hooks.append(block.get_submodule(n).register_forward_pre_hook(hook(n)))
-    try:
-        _block_forward(cfg, block, x)
-    except _Captured:
-        pass
-    finally:
-        for h in hooks:
-            h.remove()
-    return store
 
 
 def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantResult) -> None:
