@@ -179,13 +179,14 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
         for bi, block in enumerate(model.blocks):
             prefix = f"blocks.{bi}."
             names = [p for p in todo if p.startswith(prefix)]
-            inputs = capture(model.config, block, x, [n[len(prefix):] for n in names], recipe.awq.max_tokens,
-                              hessian=ws.method == "gptq", maxima=recipe.smoothquant is not None)
+            local = [n[len(prefix):] for n in names]  # as the block names them: qkv, o_proj, ...
+            inputs = capture(model.config, block, x, local, recipe.awq.max_tokens,
+                             hessian=ws.method == "gptq", maxima=recipe.smoothquant is not None)
             clips = {}
             if ws.method == "awq":
                 _awq_block(model, block, bi, inputs, recipe, res)
                 if recipe.awq.clip:
-                    clips = _awq_clip_block(block, bi, [n[len(prefix):] for n in names], inputs, recipe, res)
+                    clips = _awq_clip_block(block, bi, local, inputs, recipe, res)
             if recipe.smoothquant is not None:
                 _smoothquant_block(model, block, bi, inputs, recipe, res)
             for name in names:

@@ -64,25 +64,23 @@ def search_clip(X: torch.Tensor, W: torch.Tensor, bits: int, group: int | None, 
     Xg = torch.nn.functional.pad(X, (0, Kp - K)).view(X.shape[0], -1, G).transpose(0, 1)  # (ng, T, G)
     Wg = torch.nn.functional.pad(W, (0, Kp - K)).view(N, -1, G)  # (N, ng, G)
     org_max = Wg.abs().amax(-1)  # (N, ng)
-    best_max = org_max.clone()
     shrinks = range(int(max_shrink * grid))
-    moved = torch.zeros(N, Wg.shape[1], dtype=torch.int64)
+    factors = torch.tensor([1 - i / grid for i in shrinks])  # what each shrink multiplies max|w| by
+    moved = torch.zeros(N, Wg.shape[1], dtype=torch.int64)  # the best shrink of each (row, group)
     for r0 in range(0, N, CLIP_ROWS):
         w = Wg[r0: r0 + CLIP_ROWS]  # (n, ng, G)
         ref = torch.bmm(Xg, w.permute(1, 2, 0))  # (ng, T, n)
         best = torch.full(w.shape[:2], float("inf"))
         for i in shrinks:
-            m = org_max[r0: r0 + CLIP_ROWS] * (1 - i / grid)  # (n, ng)
+            m = org_max[r0: r0 + CLIP_ROWS] * factors[i]  # (n, ng)
             wc = torch.maximum(torch.minimum(w, m[..., None]), -m[..., None]).reshape(w.shape[0], -1)[:, :K]
             wq = torch.nn.functional.pad(fake_quantize(wc, bits, group, symmetric), (0, Kp - K)).view(w.shape)
             err = (torch.bmm(Xg, wq.permute(1, 2, 0)) - ref).pow(2).mean(1).t()  # (n, ng)
             better = err < best
             best = torch.where(better, err, best)
-            best_max[r0: r0 + CLIP_ROWS] = torch.where(better, m, best_max[r0: r0 + CLIP_ROWS])
-            moved[r0: r0 + CLIP_ROWS] = torch.where(better, torch.full_like(moved[r0: r0 + CLIP_ROWS], i),
-                                                    moved[r0: r0 + CLIP_ROWS])
-    return best_max, {"clipped_fraction": (moved > 0).float().mean().item(),
-                      "mean_shrink": (moved.float() / grid).mean().item()}
+            moved[r0: r0 + CLIP_ROWS][better] = i
+    return org_max * factors[moved], {"clipped_fraction": (moved > 0).float().mean().item(),
+                                      "mean_shrink": (moved.float() / grid).mean().item()}
 
 
 def apply_clip(W: torch.Tensor, max_val: torch.Tensor, group: int | None) -> torch.Tensor:

@@ -82,13 +82,13 @@ class Override:
             raise RecipeError(f"{where}: {section}: fp: true keeps the linears in full precision; drop bits, "
                               f"group_size and symmetric")
 
-    def apply(self, base: tuple, where: str, section: str) -> tuple:
-        """(bits, group_size, symmetric) of the base scheme -> this override's, validated."""
+    def resolve(self, base: tuple) -> tuple:
+        """(bits, group_size, symmetric) of the base scheme -> this override's (``WeightScheme.check_overrides``
+        validates it at load)."""
         bits = base[0] if self.bits is None else self.bits
         group = self.group_size if self.group_size is not None else (None if bits == 8 else
                                                                        base[1] if base[0] == 4 else None)
         sym = self.symmetric if self.symmetric is not None else (True if bits == 8 else base[2])
-        _check_int_scheme(where, section, bits, group, sym)
         return bits, group, sym
 
 
@@ -136,7 +136,8 @@ class WeightScheme:
             if self.type != "int":
                 raise RecipeError(f"{where}: {section}: the base scheme is FP8; overrides take integer schemes "
                                   f"(or fp: true) over an integer base")
-            bits = o.apply((self.bits, self.group_size, self.symmetric), where, section)[0]
+            bits, group, sym = o.resolve((self.bits, self.group_size, self.symmetric))
+            _check_int_scheme(where, section, bits, group, sym)
             if not scheme_fits(bits, self.activations, self.type):
                 raise RecipeError(f"{where}: {section}.bits: {bits} does not run with activations: "
                                   f"{self.activations}")
@@ -149,7 +150,7 @@ class WeightScheme:
         scheme = (*base, self.type)
         for o in self.overrides:  # each against the base scheme (validated so at load), the last match winning
             if fnmatchcase(path, o.match):
-                scheme = None if o.fp else (*o.apply(base, "", ""), self.type)
+                scheme = None if o.fp else (*o.resolve(base), self.type)
         return scheme
 
     def head_scheme(self) -> tuple[int, int | None, bool, str] | None:
