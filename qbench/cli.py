@@ -256,6 +256,12 @@ def compare(runs, out_dir, baseline, force):
     click.echo(f"wrote {out / 'report.md'}, {out / 'report.html'} and {out / 'summary.json'}")
 
 
+from qbench.cli_tune import sensitivity, tune  # noqa: E402  (the operating-point commands)
+
+cli.add_command(sensitivity)
+cli.add_command(tune)
+
+
 def main(argv=None):
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
     try:

@@ -323,7 +323,7 @@ def load_kv_scheme(spec: str) -> KVScheme:
 def load_recipe(spec: str, recipes_dir: Path | None = None) -> Recipe:
     """A recipe by file path, or by name from the project's recipes/ folder."""
     path = Path(spec)
-    if not path.suffix:
+    if not path.is_file() and path.suffix not in (".yaml", ".yml"):  # a name, which may hold dots (kld0.1)
         path = (recipes_dir or Path(__file__).resolve().parents[2] / "recipes") / f"{spec}.yaml"
     if not path.is_file():
         raise RecipeError(f"{spec}: no such recipe; give a YAML file or a name from recipes/")
