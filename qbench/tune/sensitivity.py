@@ -10,7 +10,6 @@ head, and every window runs in one batch.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass
@@ -115,8 +114,10 @@ def fixed_bytes(model, names: list[str]) -> int:
 
 
 def mean_se(x: torch.Tensor) -> dict:
-    x = x.double()
-    return {"mean": x.mean().item(), "se": x.std().item() / math.sqrt(x.numel()) if x.numel() > 1 else float("nan")}
+    """evals.stats.mean_se of a tensor, as the {mean, se} record the reports keep."""
+    from qbench.evals.stats import mean_se as stats_mean_se
+    m, se = stats_mean_se(x.double().numpy())
+    return {"mean": m, "se": se}
 
 
 def measure(model, ref, unit_list: list[Unit], schemes: list[Scheme], log=print) -> list[dict]:
