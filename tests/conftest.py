@@ -24,6 +24,26 @@ def run_qbench(*args, env=None, timeout=900, cwd=None):
                           timeout=timeout, env=e, cwd=cwd)
 
 
+def native_isas() -> list[int]:
+    """The instruction-set paths of the native kernels this CPU can run (qb_set_isa): 256 = AVX2, 512 = AVX-512."""
+    if not build.available():
+        return []
+    return [256, 512] if build.load().qb_isa() == 512 else [256]
+
+
+@pytest.fixture(params=native_isas() or [None])
+def isa(request):
+    """Runs a test once per native instruction-set path (the run-time dispatch overridden), then restores it."""
+    if request.param is None:
+        pytest.skip("native kernels not built here")
+    lib = build.load()
+    lib.qb_set_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        lib.qb_set_isa(native_isas()[-1])
+
+
 @pytest.fixture(params=["kernels", "torch"])
 def path(request, monkeypatch):
     """Run each golden test on the native-kernel path and on the pure-torch path."""
@@ -109,8 +129,9 @@ def qwen():
 _INT_GEMMS = ("qb_gemm_i8", "qb_gemm_i4")
 _DEQUANTS = ("qb_dequant_i8", "qb_dequant_i4", "qb_dequant_f8")
 INT_VNNI, INT_AVX2 = "native int8/int4 GEMM, AVX-512 VNNI", "native int8/int4 GEMM, AVX2"
-W4A8 = "native INT4 x INT8-activation GEMM (W4A8), AVX2 on every CPU"
-W8A8 = "native INT8 x INT8-activation GEMM (W8A8), AVX2 on every CPU"
+W4A8 = "native INT4 x INT8-activation GEMM (W4A8), AVX2"
+W8A8 = "native INT8 x INT8-activation GEMM (W8A8), AVX2"
+A8_VNNI = "native INT8-activation GEMMs (W4A8, W8A8), AVX-512 VNNI (vpdpbusd)"
 FP8W = "native FP8 e4m3 weight GEMM (W8A16), AVX2 on every CPU"
 DEQUANT = "native int8/int4/fp8 dequantize for prefill-sized rows (then oneDNN)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
@@ -124,17 +145,15 @@ _current_test = [""]
 
 
 def _counted(name: str) -> bool:
-    return name.startswith("qb_") and name not in ("qb_isa", "qb_set_isa", "qb_decode_scratch")
+    return name.startswith("qb_") and name not in ("qb_isa", "qb_a8_wide", "qb_set_isa", "qb_decode_scratch")
 
 
 def _path_of(name: str, dll) -> str:
     """The path a counted call takes; the integer GEMMs' ISA is read at call time (tests switch it)."""
     if name in _INT_GEMMS:
         return INT_VNNI if dll.qb_isa() == 512 else INT_AVX2
-    if name == "qb_gemm_i4a8":
-        return W4A8
-    if name == "qb_gemm_i8a8":
-        return W8A8
+    if name in ("qb_gemm_i4a8", "qb_gemm_i8a8"):
+        return A8_VNNI if dll.qb_a8_wide() else W4A8 if name == "qb_gemm_i4a8" else W8A8
     if name == "qb_gemm_f8":
         return FP8W
     if name == "qb_attention_kv":
@@ -193,7 +212,8 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, GPTQ] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else [])
+    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, GPTQ] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else []) \
+        + ([A8_VNNI] if lib._dll.qb_a8_wide() else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 

@@ -53,17 +53,22 @@ def test_linear_kernel_and_torch_fallback_agree(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_the_torch_path(window):
+@pytest.mark.parametrize("window", [None, 5, 70])
+@pytest.mark.parametrize("hd,bs,ctx", [(16, 4, (13, 9)), (64, 16, (150, 67)), (128, 16, (97, 33)), (36, 8, (75, 6)),
+                                       (80, 16, (64, 130))])
+def test_paged_attention_matches_the_torch_path(window, hd, bs, ctx):
+    # contexts past the kernel's key chunk (32) and head sizes with and without its 64- and 8-wide paths
     from qbench.kernels.ops import paged_attention
     from qbench.layers.attention import AttnMetadata, build_mask
     from qbench.layers.kv import BlockKV
 
-    g = torch.Generator().manual_seed(0)
-    nb, bs, nkv, nh, hd = 12, 4, 2, 6, 16
+    g = torch.Generator().manual_seed(hd + bs)
+    nkv, nh = 2, 6
+    ctx = torch.tensor(ctx)  # tokens in each sequence's cache
+    nblk = int(-(-ctx.max() // bs))
+    nb = 2 * nblk + 3
     kp, vp = torch.randn(nb, bs, nkv, hd, generator=g), torch.randn(nb, bs, nkv, hd, generator=g)
-    tables = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]])
-    ctx = torch.tensor([13, 9])  # tokens in each sequence's cache
+    tables = torch.randperm(nb, generator=g)[:2 * nblk].view(2, nblk)
     T = 3
     pos = torch.stack([ctx[b] - T + torch.arange(T) for b in range(2)])  # last 3 tokens as queries
     valid = torch.tensor([[True, True, True], [True, True, False]])

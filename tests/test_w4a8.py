@@ -64,8 +64,35 @@ def test_every_path_matches_the_integer_definition(impl, scheme, N, K, M):
     assert (got - ref).abs().max() <= tol
 
 
-@native
-def test_the_int16_sums_cannot_overflow_at_the_extremes():
+@pytest.mark.parametrize("scheme", ["g32-sym", "g64-asym", "g128-sym", "g128-asym", "int8"])  # int8: W8A8
+@pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536), (24, 77), (16, 130), (33, 4864)])
+def test_the_avx512_vnni_tiles_equal_the_avx2_tiles_bit_for_bit(scheme, N, K):
+    """The int8-activation GEMMs have AVX-512 VNNI tiles (vpdpbusd, up to 8 rows) beside the AVX2 ones (4 or 6
+    rows): the integer sums are exact and each output is closed with the same float operations, so every row
+    count gives the same bits on both."""
+    if not build.available() or not build.load().qb_a8_wide():
+        pytest.skip("needs a CPU with AVX-512 VNNI and VBMI")
+    if scheme == "int8":
+        g = torch.Generator().manual_seed(N + K)
+        q = quantize_int8(torch.randn(N, K, generator=g))
+        q.activations = "int8"
+    else:
+        q, g = _w4a8(N, K, int(scheme[1:].split("-")[0]), scheme.endswith("-sym"), N + K)
+    lin = make_qlinear(q, None, "native")
+    x = torch.randn(40, K, generator=g) * torch.linspace(0.1, 8, K)
+    lib = build.load()
+    try:
+        for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
+            got = {}
+            for isa in (256, 512):
+                lib.qb_set_isa(isa)
+                got[isa] = lin._matmul(x[:M].contiguous(), False)
+            assert torch.equal(got[256], got[512]), M
+    finally:
+        lib.qb_set_isa(512)
+
+
+def test_the_int16_sums_cannot_overflow_at_the_extremes(isa):
     # every code 15 against every activation +-127 (eight k-quads per int16 sum: 8 * 2 * 15 * 127 = 30,480)
     K, N = 256, 16
     q = quantize_int4(torch.ones(N, K), 128, False)  # asymmetric over [0, 1]: codes 15, zero point 0

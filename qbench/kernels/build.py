@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -109,6 +109,7 @@ def load() -> ctypes.CDLL | None:
         fn = getattr(dll, name)
         fn.restype, fn.argtypes = None, args
     dll.qb_isa.restype, dll.qb_isa.argtypes = ctypes.c_int, []
+    dll.qb_a8_wide.restype, dll.qb_a8_wide.argtypes = ctypes.c_int, []
     dll.qb_decode_scratch.restype, dll.qb_decode_scratch.argtypes = ctypes.c_long, [P, L]
     return dll
 

@@ -23,6 +23,13 @@
 
 #define A8_ROWS 4  /* rows per tile (see WIDEN_MEM) */
 
+/* The AVX-512 VNNI tiles (gemm_a8_vnni.c), taken where qb_a8_wide() says so; they read the codes made here. */
+int qb_a8_wide(void);
+void a8z_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const float *scale, float *y, long M, long K,
+                 long N, int nthreads);
+void a8z_gemm_i4(const int8_t *x8, const float *sx8, const int32_t *xs, const uint8_t *wp, const uint16_t *scales,
+                 const uint8_t *zeros, float *y, long M, long K4, long N, long G, long ngroups, int nthreads);
+
 /* Rows of tile t when M rows are split into ceil(M / 4) tiles of nearly equal size. */
 static inline long tile_rows4(long M, long t) {
     long n = (M + A8_ROWS - 1) / A8_ROWS, base = M / n, extra = M % n;
@@ -159,20 +166,25 @@ void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, con
     int8_t *x8 = (int8_t *)malloc(M * K4 + 64);
     float *sx8 = (float *)malloc(sizeof(float) * M + 16);
     int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * M * ngroups + 16);
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)  /* rows are independent */
     for (long m = 0; m < M; m++) row_to_i8(x + m * K, K, K4, G, x8 + m * K4, sx8 + m, xs + m * ngroups);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long p = 0; p < npanels; p++) {
-        i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
-        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows4(M, t++)) {
+    if (qb_a8_wide()) {
+        a8z_gemm_i4(x8, sx8, xs, wp, scales, zeros, y, M, K4, N, G, ngroups, nthreads);
+    } else {
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long p = 0; p < npanels; p++) {
+            i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
+            for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows4(M, t++)) {
 #define TILE(mt) tile_i4a8(mt, x8 + m0 * K4, sx8 + m0, xs + m0 * ngroups, pn.w, pn.sc, pn.zp, K4, G, ngroups,  \
                          y + m0 * N + pn.n0, N, pn.nvalid)
-            switch (tile_rows4(M, t)) {
-                case 4: TILE(4); break;
-                case 3: TILE(3); break;
-                case 2: TILE(2); break;
-                default: TILE(1); break;
-            }
+                switch (tile_rows4(M, t)) {
+                    case 4: TILE(4); break;
+                    case 3: TILE(3); break;
+                    case 2: TILE(2); break;
+                    default: TILE(1); break;
+                }
 #undef TILE
+            }
         }
     }
     free(x8);
@@ -236,9 +248,24 @@ static void row_to_i16(const float *x, long K, long K2, int16_t *q, float *scale
 /* x (M, K) fp32; the weight in qb_gemm_i8's layout with its per-column scales; y (M, N). */
 void qb_gemm_i8a8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
                   int nthreads) {
+    if (qb_a8_wide()) {  /* int8 codes, zero-padded to a multiple of 4 k */
+        long K4 = (K + 3) & ~3L;
+        int8_t *x8 = (int8_t *)malloc(M * K4 + 64);
+        float *sx = (float *)malloc(sizeof(float) * M + 16);
+        #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)
+        for (long m = 0; m < M; m++) {
+            int32_t sum;  /* one group: unused */
+            row_to_i8(x + m * K, K, K4, K4, x8 + m * K4, sx + m, &sum);
+        }
+        a8z_gemm_i8(x8, sx, wp, scale, y, M, K, N, nthreads);
+        free(x8);
+        free(sx);
+        return;
+    }
     long npanels = (N + PANEL - 1) / PANEL, K2 = (K + 1) & ~1L;
     int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * M * K2 + 64);
     float *sx16 = (float *)malloc(sizeof(float) * M + 16);
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)  /* rows are independent */
     for (long m = 0; m < M; m++) row_to_i16(x + m * K, K, K2, x16 + m * K2, sx16 + m);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {

@@ -68,11 +68,74 @@ void qb_rope(float *x, const int64_t *pos, const float *cos_t, const float *sin_
     }
 }
 
+/* Four dot products of q with keys k0..k3 (n = hd, a multiple of 8), each summed exactly as dot() sums one:
+ * an 8-lane FMA chain over d, then hsum256's order ((l0 + l2) + (l1 + l3) of l = low half + high half). The four
+ * chains interleave, so each key no longer waits on its own FMA and horizontal-sum latency; a transpose of
+ * the four halved sums gives every key's lanes in one register. */
+static inline __m128 dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3,
+                          long n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (long d = 0; d < n; d += 8) {
+        __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+#define HALVES4(a) _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1))
+    __m128 l0 = HALVES4(a0), l1 = HALVES4(a1), l2 = HALVES4(a2), l3 = HALVES4(a3);
+#undef HALVES4
+    _MM_TRANSPOSE4_PS(l0, l1, l2, l3);  /* l_j = lane j of keys 0..3 */
+    return _mm_add_ps(_mm_add_ps(l0, l2), _mm_add_ps(l1, l3));
+}
+
+#define KEY_CHUNK 32
+
+/* acc[0..hd) += sum over keys j in [j0, j1) of p[j] * rows[j][0..hd), each element an FMA chain over j in
+ * order (the scalar tail: a multiply, then an add), 64 dimensions at a time in registers. */
+static inline void weighted_rows(const float *p, const float *const *rows, long j0, long j1, long hd, float *acc) {
+    long d0 = 0;
+    for (; d0 + 64 <= hd; d0 += 64) {
+        float *a = acc + d0;
+        __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8), c2 = _mm256_loadu_ps(a + 16),
+               c3 = _mm256_loadu_ps(a + 24), c4 = _mm256_loadu_ps(a + 32), c5 = _mm256_loadu_ps(a + 40),
+               c6 = _mm256_loadu_ps(a + 48), c7 = _mm256_loadu_ps(a + 56);
+        for (long j = j0; j < j1; j++) {
+            const float *vr = rows[j] + d0;
+            __m256 pj = _mm256_set1_ps(p[j]);
+            c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), c0);
+            c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), c1);
+            c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), c2);
+            c3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), c3);
+            c4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 32), c4);
+            c5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 40), c5);
+            c6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 48), c6);
+            c7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 56), c7);
+        }
+        _mm256_storeu_ps(a, c0); _mm256_storeu_ps(a + 8, c1); _mm256_storeu_ps(a + 16, c2);
+        _mm256_storeu_ps(a + 24, c3); _mm256_storeu_ps(a + 32, c4); _mm256_storeu_ps(a + 40, c5);
+        _mm256_storeu_ps(a + 48, c6); _mm256_storeu_ps(a + 56, c7);
+    }
+    for (; d0 + 8 <= hd; d0 += 8) {
+        __m256 c = _mm256_loadu_ps(acc + d0);
+        for (long j = j0; j < j1; j++) c = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + d0), c);
+        _mm256_storeu_ps(acc + d0, c);
+    }
+    for (; d0 < hd; d0++) {
+        float c = acc[d0];
+        for (long j = j0; j < j1; j++) c += p[j] * rows[j][d0];
+        acc[d0] = c;
+    }
+}
+
 /* Attention over the block pool.
  * q: (B, T, nh, hd); out: (B, T, nh, hd); pool k/v: (num_blocks, bs, nkv, hd);
  * tables: (B, nblk) int64; qpos: (B, T) int64 absolute positions; qvalid: (B, T) uint8 or NULL.
  * Query (b, t) attends keys 0..qpos (and, with a window, qpos - window < j). Each (b, t, kv head)
- * is one task: its g query heads share every K/V row they load. */
+ * is one task: its g query heads share every K/V row they load. Keys go in chunks of KEY_CHUNK, which stay
+ * in L1 while each head takes them: scores four keys at a time (dot4), the weighted sum of V with 64 output
+ * dimensions in registers (weighted_rows). Both sum every element in the order a key at a time did (one FMA
+ * chain over keys per element; dot()'s order per score), so the results are the same bits as before. */
 void qb_paged_attention(const float *q, const float *kpool, const float *vpool, const int64_t *tables,
                         const int64_t *qpos, const uint8_t *qvalid, float *out, long B, long T, long nh,
                         long nkv, long hd, long bs, long nblk, long window, float scale, int nthreads) {
@@ -81,7 +144,7 @@ void qb_paged_attention(const float *q, const float *kpool, const float *vpool, 
     #pragma omp parallel num_threads(nthreads)
     {
         float *scores = (float *)malloc(sizeof(float) * (g * maxlen + 8));
-        float *acc = (float *)malloc(sizeof(float) * g * hd);
+        const float **rows = (const float **)malloc(sizeof(float *) * (maxlen + 8));
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (long bt = 0; bt < B * T; bt++) {
             for (long kh = 0; kh < nkv; kh++) {
@@ -96,27 +159,31 @@ void qb_paged_attention(const float *q, const float *kpool, const float *vpool, 
                 long n = end - start;
                 const float *qh = q + (bt * nh + kh * g) * hd;
                 const int64_t *tab = tables + b * nblk;
-                for (long j = start; j < end; j++) {
-                    const float *kr = kpool + ((tab[j / bs] * bs + j % bs) * nkv + kh) * hd;
-                    for (long i = 0; i < g; i++) scores[i * maxlen + (j - start)] = dot(qh + i * hd, kr, hd) * scale;
-                }
-                for (long i = 0; i < g; i++) softmax_row(scores + i * maxlen, n);
-                for (long i = 0; i < g * hd; i++) acc[i] = 0.0f;
-                for (long j = start; j < end; j++) {
-                    const float *vr = vpool + ((tab[j / bs] * bs + j % bs) * nkv + kh) * hd;
+                for (long j = start; j < end; j++) rows[j - start] = kpool + ((tab[j / bs] * bs + j % bs) * nkv + kh) * hd;
+                for (long j0 = 0; j0 < n; j0 += KEY_CHUNK) {  /* a chunk of keys stays in L1 for the g heads */
+                    long j1 = j0 + KEY_CHUNK < n ? j0 + KEY_CHUNK : n;
                     for (long i = 0; i < g; i++) {
-                        __m256 p = _mm256_set1_ps(scores[i * maxlen + (j - start)]);
-                        float *a = acc + i * hd;
-                        long d = 0;
-                        for (; d + 8 <= hd; d += 8)
-                            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(a + d)));
-                        for (; d < hd; d++) a[d] += scores[i * maxlen + (j - start)] * vr[d];
+                        const float *qi = qh + i * hd;
+                        float *si = scores + i * maxlen;
+                        long j = j0;
+                        if (hd % 8 == 0)
+                            for (; j + 4 <= j1; j += 4)
+                                _mm_storeu_ps(si + j, _mm_mul_ps(dot4(qi, rows[j], rows[j + 1], rows[j + 2], rows[j + 3], hd),
+                                                                 _mm_set1_ps(scale)));
+                        for (; j < j1; j++) si[j] = dot(qi, rows[j], hd) * scale;
                     }
                 }
-                for (long i = 0; i < g * hd; i++) o[i] = acc[i];
+                for (long i = 0; i < g; i++) softmax_row(scores + i * maxlen, n);
+                for (long j = start; j < end; j++) rows[j - start] = vpool + ((tab[j / bs] * bs + j % bs) * nkv + kh) * hd;
+                for (long i = 0; i < g * hd; i++) o[i] = 0.0f;
+                for (long j0 = 0; j0 < n; j0 += KEY_CHUNK) {
+                    long j1 = j0 + KEY_CHUNK < n ? j0 + KEY_CHUNK : n;
+                    for (long i = 0; i < g; i++)
+                        weighted_rows(scores + i * maxlen, rows, j0, j1, hd, o + i * hd);
+                }
             }
         }
         free(scores);
-        free(acc);
+        free(rows);
     }
 }

@@ -46,8 +46,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
     for b in range(B):
         n = T if new_tokens is None else int(new_tokens[b])
         P = int(positions[b, 0])
-        qb = q[b, :n].transpose(0, 1).unsqueeze(0).contiguous()  # (1, nh, n, hd)
-        kb, vb = (t[b, :n].transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0) for t in (k, v))  # (1, nh, n, hd)
+        # strided views, no copies: torch's CPU flash kernel reads any strides and takes grouped-query K/V
+        # (nkv heads) itself, with the same bits as K/V repeated per query head
+        qb = q[b, :n].transpose(0, 1).unsqueeze(0)  # (1, nh, n, hd)
+        kb, vb = (t[b, :n].transpose(0, 1).unsqueeze(0) for t in (k, v))  # (1, nkv, n, hd)
         o, lse = _FLASH(qb, kb, vb, 0.0, True, scale=scale)
         if P:
             nblk = -(-P // bs)

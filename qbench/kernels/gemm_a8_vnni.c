@@ -1,0 +1,192 @@
+/* The int8-activation GEMMs of gemm_a8.c (W8A8, W4A8) on AVX-512 VNNI with VBMI's byte permute.
+ *
+ * vpdpbusd does 64 multiply-adds of unsigned by signed bytes into 16 int32 lanes per instruction, four times
+ * an fp32 FMA's. A lane must hold one column's four k, so each 64-byte (W8A8) or 32-byte (W4A8) step of a
+ * panel is reordered once by vpermb, an in-register cost shared by a tile's rows; a zmm then holds all 16
+ * columns of a panel, and a tile takes up to 8 rows. The activation codes come from gemm_a8.c (row_to_i8),
+ * the integer sums are exact, and each output is closed with the same float operations, in the same order,
+ * as the AVX2 tiles there, so the two paths agree bit for bit (tests switch between them with qb_set_isa).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "panel.h"
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
+#define AZ_ROWS 8  /* rows per tile: a row holds an int32 and (W4A8) an fp32 accumulator */
+int qb_isa(void);
+
+static int a8_wide = -1;
+
+/* Whether the int8-activation GEMMs take the AVX-512 VNNI tiles: qb_isa() == 512 (qb_set_isa(256) forces
+ * AVX2) and the CPU has VBMI's byte permute (Ice Lake, Sapphire Rapids and Zen 4 do; Cascade Lake does not). */
+int qb_a8_wide(void) {
+    if (a8_wide < 0) {
+        __builtin_cpu_init();
+        a8_wide = __builtin_cpu_supports("avx512vbmi");
+    }
+    return a8_wide && qb_isa() == 512;
+}
+
+static inline long tile_rows8(long M, long t) {
+    long n = (M + AZ_ROWS - 1) / AZ_ROWS, base = M / n, extra = M % n;
+    return base + (t < extra ? 1 : 0);
+}
+
+#define SWITCH_ROWS8(mt, fn, ...) switch (mt) {                                                        \
+        case 8: fn(8, __VA_ARGS__); break;                                                             \
+        case 7: fn(7, __VA_ARGS__); break;                                                             \
+        case 6: fn(6, __VA_ARGS__); break;                                                             \
+        case 5: fn(5, __VA_ARGS__); break;                                                             \
+        case 4: fn(4, __VA_ARGS__); break;                                                             \
+        case 3: fn(3, __VA_ARGS__); break;                                                             \
+        case 2: fn(2, __VA_ARGS__); break;                                                             \
+        default: fn(1, __VA_ARGS__); break;                                                            \
+    }
+
+/* W8A8. vpdpbusd takes unsigned by signed bytes, so the activations are offset to u = x8 + 128 (1..255) and
+ * the weight column sums times 128 are taken off once (llama.cpp's and oneDNN's correction term): that sum is
+ * one more vpdpbusd per k-quad against bytes of 128, shared by the tile's rows. Panel rows k .. k + 3 (64
+ * bytes, row-major) -> lane c = column c's four k; a K that is not a multiple of 4 ends with a masked load. */
+/* k-quad q of an INT8 panel, reordered: lane c = column c's four k (zero past K). */
+static inline VNNI __attribute__((always_inline)) __m512i quad_i8(const int8_t *w, long k, long K) {
+    const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
+                                         59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
+                                         55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
+                                         51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
+    __m512i b;
+    if (k + 4 <= K) {
+        PREFETCH_Q(w + k * PANEL);
+        b = _mm512_loadu_si512((const void *)(w + k * PANEL));
+    } else {  /* the panel's last rows: the rest of the quad is zero, whatever its activations */
+        b = _mm512_maskz_loadu_epi8((__mmask64)((1ULL << ((K - k) * PANEL)) - 1), w + k * PANEL);
+    }
+    return _mm512_permutexvar_epi8(perm, b);
+}
+
+/* Each tile reorders the panel's quads itself: reordering them once per panel for all its tiles (tried) made
+ * no difference at 32 to 1,024 rows, where vpdpbusd's own throughput bounds the kernel. */
+static inline VNNI __attribute__((always_inline)) void tile_i8a8z(const int MT, const uint8_t *xu, long K4,
+                                                                const float *sx, const int8_t *w, long K,
+                                                                const float *scale, float *y, long N,
+                                                                long nvalid) {
+    const __m512i off = _mm512_set1_epi8((char)0x80);
+    __m512i acc[AZ_ROWS], corr = _mm512_setzero_si512();
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_si512();
+    for (long k = 0; k < K; k += 4) {
+        __m512i b = quad_i8(w, k, K);
+        corr = _mm512_dpbusd_epi32(corr, off, b);
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; i++)
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(*(const int32_t *)(xu + i * K4 + k)), b);
+    }
+    __m512 s = _mm512_loadu_ps(scale);
+    __mmask16 m = (__mmask16)((1u << nvalid) - 1);
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; i++) {
+        __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr));
+        _mm512_mask_storeu_ps(y + i * N, m, _mm512_mul_ps(d, _mm512_mul_ps(s, _mm512_set1_ps(sx[i]))));
+    }
+}
+
+VNNI void a8z_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const float *scale, float *y, long M,
+                      long K, long N, int nthreads) {
+    long npanels = (N + PANEL - 1) / PANEL, K4 = (K + 3) & ~3L;
+    uint8_t *xu = (uint8_t *)malloc(M * K4 + 64);
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)
+    for (long i = 0; i < M * K4; i++) xu[i] = (uint8_t)x8[i] ^ 0x80;  /* x8 + 128 as an unsigned byte */
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long p = 0; p < npanels; p++) {
+        long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
+        const int8_t *w = wp + p * K * PANEL;
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows8(M, t++)) {
+#define TILE(mt, _) tile_i8a8z(mt, xu + m0 * K4, K4, sx + m0, w, K, scale + n0, y + m0 * N + n0, N, nvalid)
+            SWITCH_ROWS8(tile_rows8(M, t), TILE, 0)
+#undef TILE
+        }
+    }
+    free(xu);
+}
+
+/* W4A8: the codes are unsigned already, so they are vpdpbusd's unsigned operand and the activations its
+ * signed one, with no correction. 32 bytes of a panel (k-pairs j, j + 1: byte 2c + t of pair j holds column c
+ * in its low nibble and column c + 8 in its high one, k = 2j + t) -> lane c < 8: column c's four low nibbles,
+ * lane c + 8: the same bytes' high nibbles (a per-lane shift by 4 in the upper half, then a mask). A group is
+ * closed as tile_i4a8 closes it: y += (s_w * s_x) * (sum - z * sum_x), the bracket exact in one fnmadd. */
+/* k-quad k / 4 of an INT4 panel, unpacked: lane c = column c's four codes, one byte each. */
+static inline VNNI __attribute__((always_inline)) __m512i quad_i4(const uint8_t *w, long k) {
+    const __m512i perm = _mm512_set_epi8(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8,
+                                         23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0,
+                                         31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8,
+                                         23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
+    const __m512i shift = _mm512_set_epi64(4 * 0x0001000100010001LL, 4 * 0x0001000100010001LL,
+                                           4 * 0x0001000100010001LL, 4 * 0x0001000100010001LL, 0, 0, 0, 0);
+    __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2))));
+    return _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(perm, b), shift), _mm512_set1_epi8(0x0F));
+}
+
+static inline VNNI __attribute__((always_inline)) void tile_i4a8z(const int MT, const int8_t *x8, long K4,
+                                                                const float *sx8, const int32_t *xs,
+                                                                const uint8_t *w, const uint16_t *sc,
+                                                                const uint8_t *zp, long G, long ngroups, float *y,
+                                                                long N, long nvalid) {
+    __m512 yacc[AZ_ROWS];
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; i++) yacc[i] = _mm512_setzero_ps();
+    for (long gi = 0; gi < ngroups; gi++) {
+        __m512i acc[AZ_ROWS], acc2[2];  /* one or two rows: two chains hide vpdpbusd's latency */
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_si512();
+        acc2[0] = acc2[1] = _mm512_setzero_si512();
+        long k = gi * G, k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
+#define UNPACK_Z(kk) quad_i4(w, kk)
+        if (MT <= 2)
+            for (; k + 8 <= k1; k += 8) {
+                PREFETCH_Q(w + k * (PANEL / 2));
+                __m512i b0 = UNPACK_Z(k), b1 = UNPACK_Z(k + 4);
+                #pragma GCC unroll 2
+                for (int i = 0; i < MT; i++) {
+                    acc[i] = _mm512_dpbusd_epi32(acc[i], b0, _mm512_set1_epi32(*(const int32_t *)(x8 + i * K4 + k)));
+                    acc2[i] = _mm512_dpbusd_epi32(acc2[i], b1,
+                                                  _mm512_set1_epi32(*(const int32_t *)(x8 + i * K4 + k + 4)));
+                }
+            }
+        for (; k < k1; k += 4) {
+            if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));
+            __m512i b0 = UNPACK_Z(k);
+            #pragma GCC unroll 8
+            for (int i = 0; i < MT; i++)
+                acc[i] = _mm512_dpbusd_epi32(acc[i], b0, _mm512_set1_epi32(*(const int32_t *)(x8 + i * K4 + k)));
+        }
+#undef UNPACK_Z
+        __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + gi * PANEL)));
+        __m512 zf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zp + gi * PANEL))));
+        #pragma GCC unroll 8
+        for (int i = 0; i < MT; i++) {
+            __m512i a = MT <= 2 ? _mm512_add_epi32(acc[i], acc2[i < 2 ? i : 0]) : acc[i];
+            __m512 d = _mm512_fnmadd_ps(zf, _mm512_set1_ps((float)xs[i * ngroups + gi]), _mm512_cvtepi32_ps(a));
+            yacc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx8[i])), d, yacc[i]);
+        }
+    }
+    __mmask16 m = (__mmask16)((1u << nvalid) - 1);
+    #pragma GCC unroll 8
+    for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + i * N, m, yacc[i]);
+}
+
+VNNI void a8z_gemm_i4(const int8_t *x8, const float *sx8, const int32_t *xs, const uint8_t *wp,
+                      const uint16_t *scales, const uint8_t *zeros, float *y, long M, long K4, long N, long G,
+                      long ngroups, int nthreads) {
+    long npanels = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (long p = 0; p < npanels; p++) {
+        i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows8(M, t++)) {
+#define TILE(mt, _) tile_i4a8z(mt, x8 + m0 * K4, K4, sx8 + m0, xs + m0 * ngroups, pn.w, pn.sc, pn.zp, G,       \
+                               ngroups, y + m0 * N + pn.n0, N, pn.nvalid)
+            SWITCH_ROWS8(tile_rows8(M, t), TILE, 0)
+#undef TILE
+        }
+    }
+}
