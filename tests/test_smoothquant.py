@@ -106,7 +106,12 @@ def test_search_is_recorded_per_mapping(tiny_models, tmp_path):
     assert recs and all(r["alpha"] in smoothing.ALPHA_GRID and "mse_by_alpha" in r for r in recs)
 
 
-def test_the_artifact_keeps_the_smoothed_norms(tiny_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family,recipe", [("llama", "w8a8-sq"), ("qwen2", "w8a8-sq"), ("llama-tied-bias", "w8a8-sq"),
+                                           ("qwen2", "w4g128-awq"), ("llama-tied-bias", "w4g128-awq")])
+def test_the_artifact_keeps_what_the_calibration_folded(tiny_models, tmp_path, monkeypatch, family, recipe):
+    # the smoothed norms, and the biases the folds divided (Qwen2's v bias under SmoothQuant's v -> o with
+    # grouped-query attention; every q/k/v/o bias under AWQ's v -> o where KV heads = query heads): the
+    # artifact once copied biases from the source checkpoint, and a smoothed Qwen2 lost its v bias's division
     import qbench.engine.api
     import qbench.quant.quantize as qz
     from qbench.quant.artifact import load_artifact
@@ -114,14 +119,18 @@ def test_the_artifact_keeps_the_smoothed_norms(tiny_models, tmp_path, monkeypatc
     # the tiny models have no tokenizer: the calibration windows are given
     monkeypatch.setattr(qbench.engine.api, "load_tokenizer", lambda folder: None)
     monkeypatch.setattr(qz, "calibration_windows", lambda tok, cal: (calib, {"given": True}))
-    folder, _ = tiny_models["llama"]
+    folder, _ = tiny_models[family]
     out = tmp_path / "art"
-    manifest = qz.run_quantize(str(folder), "w8a8-sq", out, log=lambda s: None)
-    assert manifest["recipe"]["smoothquant"] == {"alpha": 0.5, "search": True}
+    manifest = qz.run_quantize(str(folder), recipe, out, log=lambda s: None)
     loaded, _ = load_artifact(out)
-    assert not torch.equal(loaded.blocks[0].input_norm.weight, _model(tiny_models).blocks[0].input_norm.weight)
-    inproc = _model(tiny_models)
-    quantize_model(inproc, load_recipe("w8a8-sq"), calib, log=lambda *a: None)
+    if recipe == "w8a8-sq":
+        assert manifest["recipe"]["smoothquant"] == {"alpha": 0.5, "search": True}
+        fp = _model(tiny_models, family)
+        assert not torch.equal(loaded.blocks[0].input_norm.weight, fp.blocks[0].input_norm.weight)
+        if fp.blocks[0].qkv.bias is not None and fp.blocks[0].qkv.bias.any():  # v bias rows divided by the v -> o scales
+            assert not torch.equal(loaded.blocks[0].qkv.bias, fp.blocks[0].qkv.bias)
+    inproc = _model(tiny_models, family)
+    quantize_model(inproc, load_recipe(recipe), calib, log=lambda *a: None)
     assert torch.equal(_logits(inproc, IDS), _logits(loaded, IDS))  # what was written is what was quantized
 
 

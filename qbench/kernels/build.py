@@ -47,7 +47,7 @@ def machine() -> dict:
     import torch
 
     name, flags = cpu_info()
-    shown = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+    shown = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_vbmi", "avx_vnni", "avx512_bf16", "amx_int8")
     return {"cpu": name, "cpu_flags": [f for f in shown if f in flags], "threads": torch.get_num_threads(),
             "torch": torch.__version__}
 

@@ -29,6 +29,18 @@ int qb_a8_wide(void) {
     return a8_wide && qb_isa() == 512;
 }
 
+/* Rows of x whose codes stay in the L2 cache while every panel of the weight passes over them. Without
+ * blocks, a 1,024-row prefill streamed all of its codes (5 MB for a 4,864-wide down projection) from beyond
+ * L2 once per 16-column panel. A row's result does not depend on the block or tile it falls in (exact integer
+ * sums, each row closed alone). */
+#ifndef A8_BLOCK_BYTES
+#define A8_BLOCK_BYTES (256 * 1024)
+#endif
+static inline long block_rows(long M, long K4) {
+    long r = A8_BLOCK_BYTES / K4 / AZ_ROWS * AZ_ROWS;
+    return r < AZ_ROWS ? AZ_ROWS : r > M ? M : r;
+}
+
 static inline long tile_rows8(long M, long t) {
     long n = (M + AZ_ROWS - 1) / AZ_ROWS, base = M / n, extra = M % n;
     return base + (t < extra ? 1 : 0);
@@ -97,14 +109,17 @@ VNNI void a8z_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const
     uint8_t *xu = (uint8_t *)malloc(M * K4 + 64);
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)
     for (long i = 0; i < M * K4; i++) xu[i] = (uint8_t)x8[i] ^ 0x80;  /* x8 + 128 as an unsigned byte */
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long p = 0; p < npanels; p++) {
-        long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        const int8_t *w = wp + p * K * PANEL;
-        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows8(M, t++)) {
+    for (long r0 = 0, R = block_rows(M, K4); r0 < M; r0 += R) {
+        long mb = M - r0 < R ? M - r0 : R;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long p = 0; p < npanels; p++) {
+            long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
+            const int8_t *w = wp + p * K * PANEL;
+            for (long m0 = r0, t = 0; m0 < r0 + mb; m0 += tile_rows8(mb, t++)) {
 #define TILE(mt, _) tile_i8a8z(mt, xu + m0 * K4, K4, sx + m0, w, K, scale + n0, y + m0 * N + n0, N, nvalid)
-            SWITCH_ROWS8(tile_rows8(M, t), TILE, 0)
+                SWITCH_ROWS8(tile_rows8(mb, t), TILE, 0)
 #undef TILE
+            }
         }
     }
     free(xu);
@@ -179,14 +194,17 @@ VNNI void a8z_gemm_i4(const int8_t *x8, const float *sx8, const int32_t *xs, con
                       const uint16_t *scales, const uint8_t *zeros, float *y, long M, long K4, long N, long G,
                       long ngroups, int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long p = 0; p < npanels; p++) {
-        i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
-        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows8(M, t++)) {
+    for (long r0 = 0, R = block_rows(M, K4); r0 < M; r0 += R) {
+        long mb = M - r0 < R ? M - r0 : R;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (long p = 0; p < npanels; p++) {
+            i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
+            for (long m0 = r0, t = 0; m0 < r0 + mb; m0 += tile_rows8(mb, t++)) {
 #define TILE(mt, _) tile_i4a8z(mt, x8 + m0 * K4, K4, sx8 + m0, xs + m0 * ngroups, pn.w, pn.sc, pn.zp, G,       \
                                ngroups, y + m0 * N + pn.n0, N, pn.nvalid)
-            SWITCH_ROWS8(tile_rows8(M, t), TILE, 0)
+                SWITCH_ROWS8(tile_rows8(mb, t), TILE, 0)
 #undef TILE
+            }
         }
     }
 }

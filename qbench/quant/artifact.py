@@ -52,6 +52,28 @@ def split_rows(q: QTensor, parts: list[tuple[str, int]]) -> dict[str, QTensor]:
     return out
 
 
+def _held_linear_tensors(model: CausalLM, qtensors: dict[str, QTensor]) -> dict[str, torch.Tensor]:
+    """Per Hugging Face projection: the bias of every linear, and the weight of every linear left in full
+    precision, as the model holds them now. A calibration pass folds scales into them (SmoothQuant divides
+    Qwen2's v bias and the rows of an fp up projection), so the source checkpoint's copies are not what was
+    quantized; written from the source, a smoothed Qwen2 artifact lost its v bias's division (KLD 10)."""
+    out = {}
+    conv1d = model.config.family == "gpt2"  # GPT-2's Conv1D stores weights (in, out)
+    for path, parts in model.linear_map():
+        mod = model.get_submodule(path)
+        bias = getattr(mod, "bias", None)
+        weight = None if path in qtensors or not hasattr(mod, "weight") else mod.weight.detach()
+        r = 0
+        for name, n in parts:
+            if bias is not None:
+                out[name + ".bias"] = bias.detach()[r:r + n].float()
+            if weight is not None:
+                w = weight[r:r + n].float()
+                out[name + ".weight"] = w.t() if conv1d else w
+            r += n
+    return out
+
+
 def qtensor_tensors(name: str, q: QTensor) -> dict[str, torch.Tensor]:
     codes = q.codes.view(torch.float8_e4m3fn) if q.type == "float" else q.codes  # FP8 stored as F8_E4M3
     t = {f"{name}.qweight": (pack_int4(codes) if q.bits == 4 else codes).contiguous(),
@@ -102,11 +124,16 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
             skip.add(name + ".weight")
     emb_record = None if embedding is None else _embedding_tensors(model, embedding, tensors, skip)
     norms = {hf: model.get_submodule(path) for path, hf in model.norm_map().items()}
+    held = _held_linear_tensors(model, qtensors)
     for key in src.keys():
         bare = key.split(".", 1)[1] if key.startswith(("model.", "transformer.")) and key not in skip else key
         if key in skip or bare in skip:
             continue
-        tensors[key] = src.get(key).contiguous()
+        t = src.get(key)
+        mine = held.get(key, held.get(bare))
+        if mine is not None:  # what the quantized model holds, in the source's orientation
+            t = mine
+        tensors[key] = t.contiguous()
     for hf, norm in norms.items():  # AWQ may have rescaled these
         for key in (hf + ".weight", "transformer." + hf + ".weight"):
             if key in tensors:
