@@ -46,15 +46,11 @@ static inline long tile_rows8(long M, long t) {
     return base + (t < extra ? 1 : 0);
 }
 
+/* SWITCH_ROWS (panel.h) widened to 8 rows. */
 #define SWITCH_ROWS8(mt, fn, ...) switch (mt) {                                                        \
         case 8: fn(8, __VA_ARGS__); break;                                                             \
         case 7: fn(7, __VA_ARGS__); break;                                                             \
-        case 6: fn(6, __VA_ARGS__); break;                                                             \
-        case 5: fn(5, __VA_ARGS__); break;                                                             \
-        case 4: fn(4, __VA_ARGS__); break;                                                             \
-        case 3: fn(3, __VA_ARGS__); break;                                                             \
-        case 2: fn(2, __VA_ARGS__); break;                                                             \
-        default: fn(1, __VA_ARGS__); break;                                                            \
+        default: SWITCH_ROWS(mt, fn, __VA_ARGS__)                                                      \
     }
 
 /* W8A8. vpdpbusd takes unsigned by signed bytes, so the activations are offset to u = x8 + 128 (1..255) and

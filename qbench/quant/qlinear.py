@@ -27,6 +27,8 @@ PANEL = 16
 # runs oneDNN's blocked fp32 GEMM: the integer kernels re-read x for every 16-column panel and fall to 40-90
 # GFLOP/s at prefill sizes, against about 200 for the blocked GEMM (2-core Xeon, Qwen2.5-0.5B's shapes).
 IMPLS = ("native", "aten", "aten-bf16", "reference")
+
+
 def default_impl() -> str:
     forced = os.environ.get("QBENCH_QLINEAR")
     if forced:
@@ -99,7 +101,8 @@ class QuantLinear(torch.nn.Module):
         multiply-adds per instruction of an fp32 FMA: on AVX2 (2-core EPYC, Qwen2.5-0.5B's shapes at 256 and
         1,024 rows: W8A8 50-83 against 34-56 GMAC/s, W4A8 62-102 against 33-53) and with AVX-512 VNNI's
         vpdpbusd (2-core Xeon, the same shapes: W8A8 291-348, W4A8 322-329 against oneDNN's fp32 145-153). An
-        AVX-512 CPU without VBMI runs the AVX2 tiles, slower than its oneDNN, so there the dense path stays.
+        AVX-512 CPU without VBMI runs the AVX2 tiles (98-111 GMAC/s for W8A8 on that Xeon, below its oneDNN;
+        not measured on such a CPU), so there the dense path stays.
         (torch's own int8 GEMM, oneDNN with AMX, ran at 166-253 GMAC/s end to end at these sizes: its int32
         output, scaled in torch, costs more passes over memory than the product.)"""
         if self.activations != "int8" or self.impl != "native":
