@@ -151,11 +151,11 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
 
     if tp:
         from qbench.bench.scaleout import render_tp, run_tp_bench
+        from qbench.dist.comm import Dist
         report = run_tp_bench(model, tp, prompt_len, gen_len)
-        if report is None:
-            return  # not rank 0
-        _emit(render_tp(report), report, out_path)
-        return
+        if report is not None:  # rank 0
+            _emit(render_tp(report), report, out_path)
+        Dist.leave()
 
     if workload:
         from qbench.bench.workloads import render_workload, run_workload
