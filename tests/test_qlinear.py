@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from conftest import native_isas
+
 from qbench.kernels import build
 from qbench.quant.primitives import dequantize, quantize_int4, quantize_int8
 from qbench.quant.qlinear import Int4Linear, make_qlinear
@@ -117,12 +119,6 @@ def test_the_int8_kernel_on_both_isas_matches_the_reference(M, N, K):
         lib.qb_set_isa(512)
 
 
-def _isas():
-    if not build.available():
-        return []
-    return [256, 512] if build.load().qb_isa() == 512 else [256]
-
-
 @pytest.mark.skipif(not build.available(), reason="native kernels not built here (no C compiler, or no AVX2/FMA/F16C)")
 @pytest.mark.parametrize("scheme", ["fp32", "int8", "g64-asym", "g128-sym"])
 @pytest.mark.parametrize("N,K", [(48, 576), (200, 1536), (40, 97), (131, 130), (16, 64)])
@@ -142,11 +138,11 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(scheme, N
     x = torch.randn(DENSE_ROWS - 1, K, generator=g)
     lib = build.load()
     try:
-        for isa in _isas():
+        for isa in native_isas():
             lib.qb_set_isa(isa)
             alone = torch.cat([lin(x[i:i + 1]) for i in range(13)])
             for M in (2, 3, 4, 5, 7, 8, 13):
                 assert torch.equal(lin(x[:M]), alone[:M]), (isa, M)
             assert torch.equal(lin(x)[:13], alone), (isa, DENSE_ROWS - 1)
     finally:
-        lib.qb_set_isa(_isas()[-1])
+        lib.qb_set_isa(native_isas()[-1])

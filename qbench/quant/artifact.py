@@ -52,22 +52,26 @@ def split_rows(q: QTensor, parts: list[tuple[str, int]]) -> dict[str, QTensor]:
     return out
 
 
-def _held_linear_tensors(model: CausalLM, qtensors: dict[str, QTensor]) -> dict[str, torch.Tensor]:
+def _held_linear_tensors(model: CausalLM, qtensors: dict[str, QTensor], names: set[str]) -> dict[str, torch.Tensor]:
     """Per Hugging Face projection: the bias of every linear, and the weight of every linear left in full
-    precision, as the model holds them now. A calibration pass folds scales into them (SmoothQuant divides
-    Qwen2's v bias and the rows of an fp up projection), so the source checkpoint's copies are not what was
-    quantized; written from the source, a smoothed Qwen2 artifact lost its v bias's division (KLD 10)."""
+    precision, as the model holds them now, for the tensor ``names`` the source checkpoint has (a tied
+    head has no weight of its own to write, and is not unpacked). A calibration pass folds scales into them
+    (SmoothQuant divides Qwen2's v bias and the rows of an fp up projection), so the source checkpoint's
+    copies are not what was quantized; written from the source, a smoothed Qwen2 artifact lost its v bias's
+    division (KLD 10)."""
     out = {}
     conv1d = model.config.family == "gpt2"  # GPT-2's Conv1D stores weights (in, out)
     for path, parts in model.linear_map():
         mod = model.get_submodule(path)
         bias = getattr(mod, "bias", None)
-        weight = None if path in qtensors or not hasattr(mod, "weight") else mod.weight.detach()
+        weight = None
+        if path not in qtensors and hasattr(mod, "weight") and any(n + ".weight" in names for n, _ in parts):
+            weight = mod.weight.detach()
         r = 0
         for name, n in parts:
-            if bias is not None:
+            if bias is not None and name + ".bias" in names:
                 out[name + ".bias"] = bias.detach()[r:r + n].float()
-            if weight is not None:
+            if weight is not None and name + ".weight" in names:
                 w = weight[r:r + n].float()
                 out[name + ".weight"] = w.t() if conv1d else w
             r += n
@@ -124,16 +128,14 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
             skip.add(name + ".weight")
     emb_record = None if embedding is None else _embedding_tensors(model, embedding, tensors, skip)
     norms = {hf: model.get_submodule(path) for path, hf in model.norm_map().items()}
-    held = _held_linear_tensors(model, qtensors)
-    for key in src.keys():
-        bare = key.split(".", 1)[1] if key.startswith(("model.", "transformer.")) and key not in skip else key
+    bare_of = {key: key.split(".", 1)[1] if key.startswith(("model.", "transformer.")) and key not in skip else key
+               for key in src.keys()}
+    held = _held_linear_tensors(model, qtensors, set(bare_of) | set(bare_of.values()))
+    for key, bare in bare_of.items():
         if key in skip or bare in skip:
             continue
-        t = src.get(key)
-        mine = held.get(key, held.get(bare))
-        if mine is not None:  # what the quantized model holds, in the source's orientation
-            t = mine
-        tensors[key] = t.contiguous()
+        mine = held.get(key, held.get(bare))  # what the quantized model holds, in the source's orientation
+        tensors[key] = (mine if mine is not None else src.get(key)).contiguous()
     for hf, norm in norms.items():  # AWQ may have rescaled these
         for key in (hf + ".weight", "transformer." + hf + ".weight"):
             if key in tensors:
