@@ -13,6 +13,7 @@ from qbench.layers.attention import AttnMetadata, build_mask
 from qbench.layers.kv import QuantBlockKV
 from qbench.layers.kvscheme import KVScheme
 from qbench.models.registry import load_model
+from conftest import native_isas
 
 needs_kernel = pytest.mark.skipif(not build.available(), reason="no native kernels on this machine")
 BS = 16
@@ -88,6 +89,75 @@ def test_quantized_blocks_read_in_place_match_dequantize_then_attend(scheme, hd,
             keys, values = layer.read_meta(meta)
             want = reference(q, keys, values, meta, window, scale)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"step {step}, window {window}")
+
+
+ISA_SCHEMES = [KVScheme(4, 4), KVScheme(8, 8), KVScheme(2, 2), KVScheme(4, 2), KVScheme(2, 2, v_group=64),
+               KVScheme(8, 8, scheme="fp8"), KVScheme(16, 4), KVScheme(4, 16), KVScheme(4, 4, residual=48)]
+
+
+def attend_each_isa(fn):
+    """fn() once per native instruction-set path (qb_set_isa), the dispatch restored after."""
+    lib, isas = build.load(), native_isas()
+    try:
+        outs = []
+        for isa in isas:
+            lib.qb_set_isa(isa)
+            outs.append(fn())
+        return outs
+    finally:
+        lib.qb_set_isa(isas[-1])
+
+
+needs_two_isas = pytest.mark.skipif(len(native_isas()) < 2, reason="one instruction-set path on this CPU (AVX2 only)")
+
+
+@needs_kernel
+@needs_two_isas
+@pytest.mark.parametrize("hd, nh, nkv", [(64, 9, 3), (64, 14, 2), (128, 12, 1), (40, 6, 2), (32, 4, 4)])
+@pytest.mark.parametrize("scheme", ISA_SCHEMES, ids=lambda s: s.describe())
+def test_the_avx512_path_reads_quantized_blocks_to_the_avx2_bits(scheme, hd, nh, nkv):
+    """The AVX-512 helpers keep the AVX2 helpers' order of every sum: the same bits on every layout, group of
+    query heads (up to 12 a KV head, so two register passes), head_dim with a half-zmm tail (40), windows, and
+    rows that end mid-block."""
+    if hd % scheme.v_group and scheme.v_bits < 16 and scheme.scheme == "kivi":
+        pytest.skip(f"V groups of {scheme.v_group} channels need a head_dim they divide")
+    pool = QuantKVPool(1, 64, BS, nkv, hd, torch.float32, scheme, max_seqs=4)
+    layer = pool.layers[0]
+    if not layer.decode_kernel:
+        pytest.skip(f"{scheme.describe()} at head_dim {hd}: not a layout qb_attention_kv takes")
+    gen = torch.Generator().manual_seed(hd * nh)
+    b = Batch([5, 37, 70, 16], nblk=8)
+    layer.write_meta(b.meta(b.lens), *kv_like(sum(b.lens), nkv, hd, gen))
+    for step in range(3):
+        b.lens = [n + 1 for n in b.lens]
+        meta = b.meta([1] * len(b.lens))
+        layer.write_meta(meta, *kv_like(len(b.lens), nkv, hd, gen))
+        q = torch.randn(len(b.lens), 1, nh, hd, generator=gen)
+        for window in (None, 24):
+            outs = attend_each_isa(lambda: layer.attend_decode(q, meta, window, hd ** -0.5))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), (step, window)
+
+
+@needs_kernel
+@needs_two_isas
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hd, nh, nkv", [(64, 9, 3), (40, 12, 1), (128, 4, 2)])
+def test_the_avx512_path_reads_an_fp16_or_bf16_pool_to_the_avx2_bits(dtype, hd, nh, nkv):
+    pool = KVPool(1, 32, BS, nkv, hd, dtype)
+    layer = pool.layers[0]
+    gen = torch.Generator().manual_seed(hd)
+    b = Batch([3, 40, 65], nblk=6)
+    for i in range(max(b.lens)):
+        rows = [r for r, n in enumerate(b.lens) if i < n]
+        slots = torch.tensor([int(b.tables[r, i // BS]) * BS + i % BS for r in rows])
+        layer.write(slots, *kv_like(len(rows), nkv, hd, gen))
+    meta = b.meta([1] * 3)
+    q = torch.randn(3, 1, nh, hd, generator=gen)
+    k_src, v_src = layer.sources()
+    for window in (None, 16):
+        outs = attend_each_isa(lambda: ops.attention_kv(q, meta.block_tables, meta.positions, None, meta.context_lens,
+                                                        k_src, v_src, window=window, scale=0.125))
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), window
 
 
 @needs_kernel

@@ -10,7 +10,12 @@
  *   K per channel (block-wide scale s and min m per channel): q.k = sum_d (q_d s_d) u_d + sum_d q_d m_d, so
  *   q*s is formed once per block and head, and each key costs one fused multiply-add per 8 codes.
  *   V per token (scale and min per group of vg channels): p v = (p s_g) u + p m_g; the min part is summed
- *   per group and added once at the end.
+ *   per group and block (eight rows a lane) and added once at the end.
+ *
+ * Work is split per (query row, KV head) into attn_kv_head.h's body, compiled twice: with the AVX2 helpers
+ * below, and with attn_kv512.h's AVX-512 helpers under a target pragma (taken when qb_isa() == 512). A score
+ * leaves its kernel as 8 partial sums and close_scores adds eight rows' at once (hsum256x8, hsum256's tree),
+ * so both paths, and the fp16/bf16 baselines, sum every element in the same order: the same bits.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -91,92 +96,7 @@ static inline const void *span_row(const kv_span *sp, long off, long nkv, long h
     return sp->ring ? (const void *)(sp->ring + off * nkv * hd) : (const void *)(sp->codes + off * nkv * rb);
 }
 
-/* Scores of NG query heads (NG <= 8, a compile-time constant so the accumulators stay in registers) against
- * one key row: natural-order rows (fp32 ring, fp16, bf16, FP8) or KIVI codes against q*s in perm order. */
-static inline __attribute__((always_inline)) void score_row(const int NG, int mode, const void *row,
-                                                            const float *qh, long qstride, long hd, float *out) {
-    __m256 a[8], b[8];
-    for (int i = 0; i < NG; i++) a[i] = b[i] = _mm256_setzero_ps();
-    long d = 0;
-    for (; d + 16 <= hd; d += 16) {  /* two chains per head: the FMA latency is hidden */
-        __m256 v = load8(mode, row, d), w = load8(mode, row, d + 8);
-        for (int i = 0; i < NG; i++) {
-            a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * qstride + d), v, a[i]);
-            b[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * qstride + d + 8), w, b[i]);
-        }
-    }
-    for (; d < hd; d += 8) {
-        __m256 v = load8(mode, row, d);
-        for (int i = 0; i < NG; i++) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * qstride + d), v, a[i]);
-    }
-    for (int i = 0; i < NG; i++) out[i] = hsum256(_mm256_add_ps(a[i], b[i]));
-}
-
-static inline __attribute__((always_inline)) void score_codes(const int NG, const uint8_t *row, const float *qs,
-                                                              long hd, int per, int bits, float *out) {
-    __m256 a[8], b[8];
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    for (int i = 0; i < NG; i++) a[i] = b[i] = _mm256_setzero_ps();
-    const long C = 8 * per;
-    for (long c = 0; c < hd / C; c++) {
-        __m256i u = u8x8(row + c * 8);
-        for (int t = 0; t < per; t++) {
-            __m256 v = field(u, _mm256_set1_epi32(t * bits), mask);
-            for (int i = 0; i < NG; i++) {
-                if (t & 1) b[i] = _mm256_fmadd_ps(_mm256_load_ps(qs + i * MAXHD + c * C + t * 8), v, b[i]);
-                else a[i] = _mm256_fmadd_ps(_mm256_load_ps(qs + i * MAXHD + c * C + t * 8), v, a[i]);
-            }
-        }
-    }
-    for (int i = 0; i < NG; i++) out[i] = hsum256(_mm256_add_ps(a[i], b[i]));
-}
-
-/* One V chunk (8 bytes of codes: 8 * PER channels in perm order) of a block's rows, for NG heads: the
- * accumulators stay in registers across the rows and are added to acc once. w (rows, wstride): each row's
- * weight p * s for each head. NG * PER <= 8. */
-static inline __attribute__((always_inline)) void vchunk(const int NG, const int PER, const uint8_t *codes,
-                                                         long rstride, long nrow, const float *w, long wstride,
-                                                         float *acc, int bits) {
-    __m256 a[8][4];
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    for (int i = 0; i < NG; i++)
-        for (int t = 0; t < PER; t++) a[i][t] = _mm256_setzero_ps();
-    for (long r = 0; r < nrow; r++) {
-        __m256i u = u8x8(codes + r * rstride);
-        for (int t = 0; t < PER; t++) {
-            __m256 v = field(u, _mm256_set1_epi32(t * bits), mask);
-            for (int i = 0; i < NG; i++) a[i][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + r * wstride + i), v, a[i][t]);
-        }
-    }
-    for (int i = 0; i < NG; i++)
-        for (int t = 0; t < PER; t++)
-            _mm256_store_ps(acc + i * MAXHD + t * 8, _mm256_add_ps(_mm256_load_ps(acc + i * MAXHD + t * 8), a[i][t]));
-}
-
-#define VCHUNK(NG, ...) vchunk(NG, __VA_ARGS__)
-
-/* score_codes for two rows at once: each q*s load serves both, and the two rows are independent chains. */
-static inline __attribute__((always_inline)) void score_codes2(const int NG, const uint8_t *row0, const uint8_t *row1,
-                                                               const float *qs, long hd, int per, int bits,
-                                                               float *out0, float *out1) {
-    __m256 a[4], b[4];
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    for (int i = 0; i < NG; i++) a[i] = b[i] = _mm256_setzero_ps();
-    const long C = 8 * per;
-    for (long c = 0; c < hd / C; c++) {
-        __m256i u = u8x8(row0 + c * 8), w = u8x8(row1 + c * 8);
-        for (int t = 0; t < per; t++) {
-            __m256i sh = _mm256_set1_epi32(t * bits);
-            __m256 v = field(u, sh, mask), x = field(w, sh, mask);
-            for (int i = 0; i < NG; i++) {
-                __m256 qv = _mm256_load_ps(qs + i * MAXHD + c * C + t * 8);
-                a[i] = _mm256_fmadd_ps(qv, v, a[i]);
-                b[i] = _mm256_fmadd_ps(qv, x, b[i]);
-            }
-        }
-    }
-    for (int i = 0; i < NG; i++) { out0[i] = hsum256(a[i]); out1[i] = hsum256(b[i]); }
-}
+#include "attn_kv256.h"
 
 #define SWITCH_HEADS(ng, fn, ...) switch (ng) {                                                      \
         case 8: fn(8, __VA_ARGS__); break; case 7: fn(7, __VA_ARGS__); break;                        \
@@ -187,9 +107,123 @@ static inline __attribute__((always_inline)) void score_codes2(const int NG, con
         case 4: fn(4, __VA_ARGS__); break; case 3: fn(3, __VA_ARGS__); break;                        \
         case 2: fn(2, __VA_ARGS__); break; default: fn(1, __VA_ARGS__); break; }
 
+typedef struct {
+    const float *q; float *out;
+    long T, nh, nkv, hd, bs, nblk, W, window;
+    float scale;
+    const int64_t *tables, *qpos, *ctx, *slots;
+    const uint8_t *qvalid;
+    const float *rk, *rv;  /* a quantized cache's fp32 residual rings */
+    kv_src K, V;
+    long g, maxlen, krb, vrb, kC, vC, nvg;
+    int kper, vper;
+    int kperm[MAXHD], kinv[MAXHD], vperm[MAXHD], vgroup_of[MAXHD];  /* channel <-> perm position; V chunk -> group */
+} kv_call;
+
+typedef struct {  /* one thread's buffers */
+    float *scores;         /* (g, maxlen) */
+    float *qp, *qs;        /* the query in K's perm order; times a KIVI block's scales (g, MAXHD) */
+    float *accn, *accp;    /* value sums in natural and in V's perm order (g, MAXHD) */
+    float *bias, *c0;      /* V's group minimums (g, nvg + 1); q . K's minimums (g) */
+    float *sblk, *sperm;   /* a KIVI block's scales and minimums (2 * MAXHD); its scales in perm order */
+    float *raw;            /* a block's partial scores (g, bs, 8) */
+    float *rowf;           /* per block row: a score multiplier, or V's scale and minimum (2, bs) */
+    float *wbuf;           /* a block's value weights (g, bs) */
+} kv_scratch;
+
+/* One head's V weights for one group of a KIVI block's rows: w[r] = p[r] * s[r], and the block's share of
+ * the group minimum's term, sum_r p[r] * m[r] (eight rows a lane, then hsum256), added to bias */
+static inline void vweights(const float *p, const float *sg, const float *mg, long nrow, float *w, float *bias) {
+    __m256 acc = _mm256_setzero_ps();
+    long r = 0;
+    for (; r + 8 <= nrow; r += 8) {
+        const __m256 pv = _mm256_loadu_ps(p + r);
+        _mm256_storeu_ps(w + r, _mm256_mul_ps(pv, _mm256_loadu_ps(sg + r)));
+        acc = _mm256_fmadd_ps(pv, _mm256_loadu_ps(mg + r), acc);
+    }
+    float t = hsum256(acc);
+    for (; r < nrow; r++) {
+        w[r] = p[r] * sg[r];
+        t += p[r] * mg[r];
+    }
+    *bias += t;
+}
+
+/* A block's scores from their partial sums: scores[i * maxlen + r] = (sum + add[i]) * mul[r] (add may be
+ * NULL), eight rows at a time */
+static void close_scores(const float *raw, long g, long bs, long nrow, const float *add, const float *mul,
+                         float *scores, long maxlen) {
+    for (long i = 0; i < g; i++) {
+        const float *ri = raw + i * bs * 8;
+        float *dst = scores + i * maxlen;
+        long r = 0;
+        for (; r + 8 <= nrow; r += 8) {
+            __m256 t = hsum256x8(ri + r * 8);
+            if (add) t = _mm256_add_ps(t, _mm256_set1_ps(add[i]));
+            _mm256_storeu_ps(dst + r, _mm256_mul_ps(t, _mm256_loadu_ps(mul + r)));
+        }
+        for (; r < nrow; r++) {
+            float t = hsum256(_mm256_load_ps(ri + r * 8));
+            if (add) t += add[i];
+            dst[r] = t * mul[r];
+        }
+    }
+}
+
+/* A KIVI K block's statistics meet the query once: qs = q * s in perm order (its scales gathered into perm
+ * order once for all heads), c0 = q . m. Each product is the one the per-channel formula takes, so the
+ * layout changes no bit. */
+static void kivi_block_query(const kv_call *C, kv_scratch *S, const float *qh, const uint16_t *s16,
+                             const uint16_t *m16) {
+    const long hd = C->hd, g = C->g;
+    float *sblk = S->sblk;
+    for (long d = 0; d < hd; d += 8) {
+        _mm256_storeu_ps(sblk + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s16 + d))));
+        _mm256_storeu_ps(sblk + MAXHD + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + d))));
+    }
+    const float *sp = sblk;
+    if (C->kper > 1) {
+        for (long d = 0; d < hd; d += 8)
+            _mm256_store_ps(S->sperm + d, _mm256_i32gather_ps(sblk, _mm256_loadu_si256((const __m256i *)(C->kinv + d)), 4));
+        sp = S->sperm;
+    }
+    for (long i = 0; i < g; i++) {
+        float *qs = S->qs + i * MAXHD;
+        const float *qp = S->qp + i * MAXHD;
+        __m256 c = _mm256_setzero_ps();
+        for (long d = 0; d < hd; d += 8) {
+            _mm256_store_ps(qs + d, _mm256_mul_ps(_mm256_load_ps(qp + d), _mm256_loadu_ps(sp + d)));
+            c = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * C->hd + d), _mm256_loadu_ps(sblk + MAXHD + d), c);
+        }
+        S->c0[i] = hsum256(c);
+    }
+}
+
+/* n floats, 64-byte aligned (aligned_alloc wants a size that is a multiple of the alignment) */
+static float *falloc64(long n) { return (float *)aligned_alloc(64, (sizeof(float) * n + 63) & ~63UL); }
+
+#define WIDE 0
+#define ATTEND attend_avx2
+#include "attn_kv_head.h"
+#undef WIDE
+#undef ATTEND
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+#include "attn_kv512.h"
+#define WIDE 1
+#define ATTEND attend_avx512
+#include "attn_kv_head.h"
+#undef WIDE
+#undef ATTEND
+#pragma GCC pop_options
+
+int qb_isa(void);
+
 /* q (B, T, nh, hd); out (B, T, nh, hd); tables (B, nblk); qpos (B, T); qvalid (B, T) uint8 or NULL;
  * ctx (B,) tokens cached after this step; slots (B,) residual ring slots; rk/rv (seqs, W, bs, nkv, hd) fp32.
- * W == 0: no ring, every block is read from the pool (an fp16 or bf16 cache). */
+ * W == 0: no ring, every block is read from the pool (an fp16 or bf16 cache). On AVX-512 CPUs
+ * (qb_isa() == 512) the wide helpers serve, with the same bits. */
 void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long nkv, long hd, long bs, long nblk,
                      const int64_t *tables, const int64_t *qpos, const uint8_t *qvalid, const int64_t *ctx,
                      const int64_t *slots, long W, const float *rk, const float *rv, long window, float scale,
@@ -198,154 +232,52 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
                      int nthreads) {
     static int lut_ready = 0;
     if (!lut_ready) { fp8_lut_init(); lut_ready = 1; }  /* idempotent: a racing second init writes the same */
-    const kv_src K = {kmode, kbits, 0, kc, ks, km}, V = {vmode, vbits, vg, vc, vs, vm};
-    const long g = nh / nkv, maxlen = nblk * bs, krb = row_bytes(&K, hd), vrb = row_bytes(&V, hd);
-    const int kper = kmode == KV_CHANNEL ? 8 / kbits : 1, vper = vmode == KV_TOKEN ? 8 / vbits : 1;
-    const long kC = 8 * kper, vC = 8 * vper, nvg = vmode == KV_TOKEN ? hd / vg : 1, nvc = hd / vC;
-    int kperm[MAXHD], vperm[MAXHD], vgroup_of[MAXHD];  /* channel d -> its perm position; V chunk -> group */
+    kv_call *C = (kv_call *)malloc(sizeof(kv_call));
+    *C = (kv_call){.q = q, .out = out, .T = T, .nh = nh, .nkv = nkv, .hd = hd, .bs = bs, .nblk = nblk, .W = W,
+                   .window = window, .scale = scale, .tables = tables, .qpos = qpos, .ctx = ctx, .slots = slots,
+                   .qvalid = qvalid, .rk = rk, .rv = rv, .K = {kmode, kbits, 0, kc, ks, km},
+                   .V = {vmode, vbits, vg, vc, vs, vm}};
+    C->g = nh / nkv;
+    C->maxlen = nblk * bs;
+    C->krb = row_bytes(&C->K, hd);
+    C->vrb = row_bytes(&C->V, hd);
+    C->kper = kmode == KV_CHANNEL ? 8 / kbits : 1;
+    C->vper = vmode == KV_TOKEN ? 8 / vbits : 1;
+    C->kC = 8 * C->kper;
+    C->vC = 8 * C->vper;
+    C->nvg = vmode == KV_TOKEN ? hd / vg : 1;
+    const long kC = C->kC, vC = C->vC, g = C->g;
+    const int kper = C->kper, vper = C->vper;
     for (long d = 0; d < hd; d++) {
-        kperm[d] = (int)((d / kC) * kC + (d % kC % kper) * 8 + d % kC / kper);
-        vperm[d] = (int)((d / vC) * vC + (d % vC % vper) * 8 + d % vC / vper);
+        C->kperm[d] = (int)((d / kC) * kC + (d % kC % kper) * 8 + d % kC / kper);
+        C->kinv[C->kperm[d]] = (int)d;
+        C->vperm[d] = (int)((d / vC) * vC + (d % vC % vper) * 8 + d % vC / vper);
     }
-    for (long c = 0; c < nvc; c++) vgroup_of[c] = vmode == KV_TOKEN ? (int)(c * vC / vg) : 0;
+    for (long c = 0; c < hd / vC; c++) C->vgroup_of[c] = vmode == KV_TOKEN ? (int)(c * vC / vg) : 0;
+    const int wide = qb_isa() == 512;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (g * maxlen + 8));
-        float *qs = (float *)aligned_alloc(64, sizeof(float) * g * MAXHD);       /* q*s, perm order */
-        float *accn = (float *)aligned_alloc(64, sizeof(float) * g * MAXHD);     /* natural order */
-        float *accp = (float *)aligned_alloc(64, sizeof(float) * g * MAXHD);     /* perm order */
-        float *bias = (float *)malloc(sizeof(float) * g * (nvg + 1));
-        float *c0 = (float *)malloc(sizeof(float) * g), *sblk = (float *)malloc(sizeof(float) * 2 * MAXHD);
-        float *sc = (float *)malloc(sizeof(float) * g), *sc2 = (float *)malloc(sizeof(float) * g);
-        float *wbuf = (float *)malloc(sizeof(float) * g * bs);  /* a block's rows x heads: p * s */
+        kv_scratch S = {
+            .scores = (float *)malloc(sizeof(float) * (g * C->maxlen + 16)),
+            .qp = falloc64(g * MAXHD),
+            .qs = falloc64(g * MAXHD),
+            .accn = falloc64(g * MAXHD),
+            .accp = falloc64(g * MAXHD),
+            .bias = (float *)malloc(sizeof(float) * g * (C->nvg + 1)),
+            .c0 = (float *)malloc(sizeof(float) * g),
+            .sblk = falloc64(2 * MAXHD),
+            .sperm = falloc64(MAXHD),
+            .raw = falloc64(g * bs * 8),
+            .rowf = (float *)malloc(sizeof(float) * 2 * bs),
+            .wbuf = (float *)malloc(sizeof(float) * g * bs)};
         #pragma omp for schedule(dynamic, 1) collapse(2)
-        for (long bt = 0; bt < B * T; bt++) {
+        for (long bt = 0; bt < B * T; bt++)
             for (long kh = 0; kh < nkv; kh++) {
-                const long b = bt / T;
-                float *o = out + (bt * nh + kh * g) * hd;
-                if (qvalid && !qvalid[bt]) { memset(o, 0, sizeof(float) * g * hd); continue; }
-                const long end = qpos[bt] + 1, start = (window > 0 && end > window) ? end - window : 0, n = end - start;
-                const long nq = W > 0 ? (ctx[b] / bs - (W - 1) > 0 ? ctx[b] / bs - (W - 1) : 0) : nblk;
-                const float *qh = q + (bt * nh + kh * g) * hd;
-                const int64_t *tab = tables + b * nblk;
-                const long slot = slots ? slots[b] : 0;
-                for (long jb = start / bs; jb * bs < end; jb++) {  /* scores: (g, n), block by block */
-                    const kv_span sp = span_at(jb, start, end, bs, tab, nq, rk, slot, W, nkv, kh, hd, K.codes, krb);
-                    const long j0 = sp.j0, j1 = sp.j1, blk = sp.blk;
-                    const int in_ring = sp.ring != NULL;
-                    if (in_ring || K.mode != KV_CHANNEL) {
-                        const int mode = in_ring ? KV_F32 : K.mode;
-                        for (long j = j0; j < j1; j++) {
-                            const long off = j - jb * bs;
-                            const void *row = span_row(&sp, off, nkv, hd, krb);
-                            float mul = scale;
-                            if (!in_ring && K.mode == KV_FP8) mul *= half_to_float(K.scale[blk * bs + off]);
-                            for (long i0 = 0; i0 < g; i0 += 8) {
-                                long ng = g - i0 < 8 ? g - i0 : 8;
-                                SWITCH_HEADS(ng, score_row, mode, row, qh + i0 * hd, hd, hd, sc + i0)
-                            }
-                            for (long i = 0; i < g; i++) scores[i * maxlen + j - start] = sc[i] * mul;
-                        }
-                        continue;
-                    }
-                    /* a KIVI block: its channel scales and mins meet the query once */
-                    const uint16_t *s16 = K.scale + (blk * nkv + kh) * hd, *m16 = K.mn + (blk * nkv + kh) * hd;
-                    for (long d = 0; d < hd; d += 8) {
-                        _mm256_storeu_ps(sblk + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s16 + d))));
-                        _mm256_storeu_ps(sblk + MAXHD + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m16 + d))));
-                    }
-                    for (long i = 0; i < g; i++) {
-                        for (long d = 0; d < hd; d++) qs[i * MAXHD + kperm[d]] = qh[i * hd + d] * sblk[d];
-                        __m256 c = _mm256_setzero_ps();
-                        for (long d = 0; d < hd; d += 8)
-                            c = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * hd + d), _mm256_loadu_ps(sblk + MAXHD + d), c);
-                        c0[i] = hsum256(c);
-                    }
-                    long j = j0;
-                    for (; j + 2 <= j1; j += 2) {
-                        const uint8_t *row = sp.codes + (j - jb * bs) * nkv * krb;
-                        for (long i0 = 0; i0 < g; i0 += 4) {
-                            long ng = g - i0 < 4 ? g - i0 : 4;
-                            SWITCH_HEADS4(ng, score_codes2, row, row + nkv * krb, qs + i0 * MAXHD, hd, kper, kbits,
-                                          sc + i0, sc2 + i0)
-                        }
-                        for (long i = 0; i < g; i++) {
-                            scores[i * maxlen + j - start] = (sc[i] + c0[i]) * scale;
-                            scores[i * maxlen + j + 1 - start] = (sc2[i] + c0[i]) * scale;
-                        }
-                    }
-                    for (; j < j1; j++) {
-                        const uint8_t *row = sp.codes + (j - jb * bs) * nkv * krb;
-                        for (long i0 = 0; i0 < g; i0 += 8) {
-                            long ng = g - i0 < 8 ? g - i0 : 8;
-                            SWITCH_HEADS(ng, score_codes, row, qs + i0 * MAXHD, hd, kper, kbits, sc + i0)
-                        }
-                        for (long i = 0; i < g; i++) scores[i * maxlen + j - start] = (sc[i] + c0[i]) * scale;
-                    }
-                }
-                for (long i = 0; i < g; i++) softmax_row(scores + i * maxlen, n);
-                memset(accn, 0, sizeof(float) * g * MAXHD);
-                memset(accp, 0, sizeof(float) * g * MAXHD);
-                memset(bias, 0, sizeof(float) * g * (nvg + 1));
-                for (long jb = start / bs; jb * bs < end; jb++) {  /* values, block by block */
-                    const kv_span sp = span_at(jb, start, end, bs, tab, nq, rv, slot, W, nkv, kh, hd, V.codes, vrb);
-                    const long j0 = sp.j0, j1 = sp.j1, blk = sp.blk;
-                    const int in_ring = sp.ring != NULL;
-                    if (in_ring || V.mode != KV_TOKEN) {
-                        const int mode = in_ring ? KV_F32 : V.mode;
-                        for (long j = j0; j < j1; j++) {
-                            const long off = j - jb * bs;
-                            const float *p = scores + j - start;  /* p[i * maxlen]: head i's weight of this row */
-                            const void *row = span_row(&sp, off, nkv, hd, vrb);
-                            float mul = (!in_ring && V.mode == KV_FP8) ? half_to_float(V.scale[blk * bs + off]) : 1.0f;
-                            for (long i = 0; i < g; i++) sc[i] = p[i * maxlen] * mul;
-                            for (long d = 0; d < hd; d += 8) {
-                                __m256 v = load8(mode, row, d);
-                                for (long i = 0; i < g; i++) {
-                                    float *acc = accn + i * MAXHD + d;
-                                    _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_set1_ps(sc[i]), v, _mm256_load_ps(acc)));
-                                }
-                            }
-                        }
-                        continue;
-                    }
-                    /* a KIVI block: per group of channels, each row's weight p * s per head, then the group's
-                     * chunks accumulate over the block's rows in registers */
-                    const long nrow = j1 - j0, off0 = j0 - jb * bs;
-                    const long st0 = ((blk * bs + off0) * nkv + kh) * nvg, sstride = nkv * nvg;
-                    const uint8_t *rows = sp.codes + off0 * nkv * vrb;
-                    const int hg = 8 / vper;  /* heads per register pass */
-                    for (long gi = 0; gi < nvg; gi++) {
-                        for (long r = 0; r < nrow; r++) {
-                            const float *p = scores + j0 + r - start;
-                            float sg = half_to_float(V.scale[st0 + r * sstride + gi]), mg = half_to_float(V.mn[st0 + r * sstride + gi]);
-                            for (long i = 0; i < g; i++) {
-                                wbuf[r * g + i] = p[i * maxlen] * sg;
-                                bias[i * (nvg + 1) + gi] += p[i * maxlen] * mg;
-                            }
-                        }
-                        for (long c = gi * V.vg / vC; c < (gi + 1) * V.vg / vC; c++)
-                            for (long i0 = 0; i0 < g; i0 += hg) {
-                                long ng = g - i0 < hg ? g - i0 : hg;
-                                const uint8_t *cc = rows + c * 8;
-                                float *acc = accp + i0 * MAXHD + c * vC;
-                                if (vper == 4) { if (ng == 2) VCHUNK(2, 4, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits);
-                                                 else VCHUNK(1, 4, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits); }
-                                else if (vper == 2) { SWITCH_HEADS4(ng, VCHUNK, 2, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits) }
-                                else { SWITCH_HEADS(ng, VCHUNK, 1, cc, nkv * vrb, nrow, wbuf + i0, g, acc, vbits) }
-                            }
-                    }
-                }
-                for (long i = 0; i < g; i++) {
-                    if (V.mode == KV_TOKEN)
-                        for (long d = 0; d < hd; d++)
-                            o[i * hd + d] = accn[i * MAXHD + d] + accp[i * MAXHD + vperm[d]] +
-                                            bias[i * (nvg + 1) + vgroup_of[d / vC]];
-                    else
-                        memcpy(o + i * hd, accn + i * MAXHD, sizeof(float) * hd);
-                }
+                if (wide) attend_avx512(C, &S, bt, kh);
+                else attend_avx2(C, &S, bt, kh);
             }
-        }
-        free(scores); free(qs); free(accn); free(accp); free(bias); free(c0); free(sblk); free(sc); free(wbuf); free(sc2);
+        free(S.scores); free(S.qp); free(S.qs); free(S.accn); free(S.accp); free(S.bias); free(S.c0);
+        free(S.sblk); free(S.sperm); free(S.raw); free(S.rowf); free(S.wbuf);
     }
+    free(C);
 }

@@ -19,6 +19,7 @@ from pathlib import Path
 from qbench.paths import qbench_home
 
 SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
+HEADERS = ("panel.h", "vecmath.h", "attn_kv256.h", "attn_kv512.h", "attn_kv_head.h")  # part of the cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -65,7 +66,7 @@ def load() -> ctypes.CDLL | None:
     if shutil.which(cc) is None:
         return None
     here = Path(__file__).parent
-    src = b"".join((here / s).read_bytes() for s in (*SOURCES, "panel.h", "vecmath.h"))
+    src = b"".join((here / s).read_bytes() for s in (*SOURCES, *HEADERS))
     key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
     lib = qbench_home() / "kernels" / f"qbench_kernels_{key}.so"
     if not lib.is_file():

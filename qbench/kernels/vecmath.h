@@ -31,10 +31,37 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* hsum256 of eight vectors (v + 8 r for r < 8; v 32-byte aligned) at once, with hsum256's adds in its order:
+ * lane r holds row r */
+static inline __attribute__((always_inline)) __m256 hsum256x8(const float *v) {
+    /* [lo + hi of row 2r | of row 2r+1]: a blend and a lane swap, so no half goes through memory */
+#define HSUM_PAIR(r) _mm256_add_ps(_mm256_blend_ps(_mm256_load_ps(v + 16 * (r)), _mm256_load_ps(v + 16 * (r) + 8), 0xF0), \
+                                   _mm256_permute2f128_ps(_mm256_load_ps(v + 16 * (r)), _mm256_load_ps(v + 16 * (r) + 8), 0x21))
+    const __m256 u0 = HSUM_PAIR(0), u1 = HSUM_PAIR(1), u2 = HSUM_PAIR(2), u3 = HSUM_PAIR(3);
+#undef HSUM_PAIR
+    /* per 128-bit lane: (a0 + a2, a1 + a3) of two rows */
+    const __m256 w0 = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x44), _mm256_shuffle_ps(u0, u1, 0xEE));
+    const __m256 w1 = _mm256_add_ps(_mm256_shuffle_ps(u2, u3, 0x44), _mm256_shuffle_ps(u2, u3, 0xEE));
+    const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(w0, w1, 0x88), _mm256_shuffle_ps(w0, w1, 0xDD));
+    return _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* s[0..n) <- softmax(s), in place; max-subtracted, so no score overflows exp */
+/* max of s[0..n): exact in any order */
+static inline float row_max(const float *s, long n) {
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    long j = 0;
+    for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+    float m = _mm_cvtss_f32(h);
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
 static inline void softmax_row(float *s, long n) {
-    float m = -INFINITY;
-    for (long j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+    const float m = row_max(s, n);
     __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();
     long j = 0;
     for (; j + 8 <= n; j += 8) {

@@ -17,7 +17,8 @@ from qbench.models.weights import weight_files
 from qbench.models.zoo import SOURCE_FILE, resolve_model, sha256_file
 from qbench.paths import atomic_dir, check_output
 from qbench.quant.apply import check_recipe, quantize_model
-from qbench.quant.artifact import is_artifact, save_artifact
+from qbench.quant.artifact import is_artifact
+from qbench.quant.artifact_write import save_artifact
 from qbench.quant.calibration import calibration_windows
 from qbench.quant.recipe import Recipe, load_recipe
 
