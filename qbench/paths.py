@@ -40,6 +40,22 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def tensors_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's content: its header with keys sorted, then its data. The writer
+    stores the metadata map in hash order, so two byte-different files of identical tensors and
+    metadata (the same quantization run twice) get one digest here; other files hash as they are."""
+    import struct
+    if Path(path).suffix != ".safetensors":
+        return sha256_file(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        h.update(json.dumps(json.loads(f.read(n)), sort_keys=True).encode())
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def user_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

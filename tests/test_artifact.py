@@ -55,6 +55,7 @@ def test_manifest_records_what_the_issue_asks(tiny_models, tmp_path):
     for key in ("recipe", "source", "versions", "seed", "size", "layers", "calibration", "scheme"):
         assert key in m
     assert len(m["source"]["sha256"]) == 64
+    assert m["weights_sha256"] == qmod.source_sha256(out) and m["calibration_path"] is None  # RTN: no calibration
     # 4 + 16/64 bits where the width divides into groups; the padded last group costs extra elsewhere
     exact = sum(n * (-(-k // 64) * 64) // 2 + 2 * n * -(-k // 64) for n, k in
                 (v["shape"] for v in m["quantized"].values()))

@@ -178,6 +178,29 @@ def test_the_report_says_when_its_runs_were_made_by_different_code():
                        f"recorded) then {'a' * 12} (resumed); w8: {'c' * 12} then {'a' * 12} (resumed)).")
 
 
+def test_the_report_marks_two_variants_of_one_recipe_with_different_weights():
+    """Issue 21: the same recipe quantized on two machines gave another artifact; a report that holds both says
+    so, naming the variants and their digests, and says nothing when the weights agree or the recipes differ."""
+    from qbench.report.render import markdown, page
+    from qbench.report.summary import build
+    kld = {"own": {"ppl": 10.0, "ppl_se": 0.5}, "score": None}
+    base = _variant("fp32", {"kld": kld}, baseline=True)
+
+    def v(name, recipe, digest):
+        x = _variant(name, {"kld": kld})
+        x.record["subject"].update(recipe=recipe, weights_sha256=digest)
+        return x
+    s = build([base, v("awq-epyc", "w4g128-awq", "a" * 64), v("awq-xeon", "w4g128-awq", "b" * 64),
+               v("w8", "w8", "c" * 64), v("w8-again", "w8", "c" * 64)])
+    assert s["digest_conflicts"] == [{"recipe": "w4g128-awq", "digests": {"a" * 64: ["awq-epyc"], "b" * 64: ["awq-xeon"]}}]
+    md, html = markdown(s, {}), page(s, {})
+    line = (f"Same recipe, different weights: recipe w4g128-awq (awq-epyc: weights {'a' * 12}; awq-xeon: weights "
+            f"{'b' * 12})")
+    assert line in md and line in html and "recipe w8" not in md
+    same = build([base, v("w8", "w8", "c" * 64), v("w8-again", "w8", "c" * 64)])
+    assert same["digest_conflicts"] == [] and "Same recipe" not in markdown(same, {})
+
+
 def test_a_run_resumed_on_other_code_records_what_each_commit_computed(tmp_path):
     import torch
 

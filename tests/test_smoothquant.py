@@ -123,6 +123,10 @@ def test_the_artifact_keeps_what_the_calibration_folded(tiny_models, tmp_path, m
     out = tmp_path / "art"
     manifest = qz.run_quantize(str(folder), recipe, out, log=lambda s: None)
     loaded, _ = load_artifact(out)
+    # the manifest says what computed the calibration, and holds the tensors' digest eval records (issue 21)
+    assert manifest["weights_sha256"] == qz.source_sha256(out)
+    path = manifest["calibration_path"]
+    assert path["qbench_kernels"] in ("avx512", "avx2", "off") and path["aten_cpu_capability"] and path["torch"]
     if recipe == "w8a8-sq":
         assert manifest["recipe"]["smoothquant"] == {"alpha": 0.5, "search": True}
         fp = _model(tiny_models, family)

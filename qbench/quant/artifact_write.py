@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from qbench import __version__
 from qbench.models.base import CausalLM
 from qbench.models.weights import LazyTensors
-from qbench.paths import sha256_file
+from qbench.paths import sha256_file, tensors_sha256
 from qbench.quant.artifact import FORMAT, MANIFEST, TOKENIZER_FILES, source_parameters
 from qbench.quant.primitives import QTensor, pack_int4, storage_bytes
 
@@ -135,6 +135,7 @@ def save_artifact(model: CausalLM, source: Path, out_dir: Path, scheme: dict, qt
         if (source / f).is_file():
             shutil.copy(source / f, out_dir / f)
     # what loading checks: a flipped byte anywhere in the weights or config is refused, not run
+    manifest["weights_sha256"] = tensors_sha256(out_dir / "model.safetensors")  # what eval and compare record
     manifest["files_sha256"] = {f.name: sha256_file(f) for f in sorted(out_dir.iterdir())
                                 if f.is_file() and f.name != MANIFEST}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -14,8 +14,8 @@ from qbench import __version__
 from qbench.errors import QBenchError
 from qbench.layers.kvscheme import kv_memory
 from qbench.models.weights import weight_files
-from qbench.models.zoo import SOURCE_FILE, resolve_model, sha256_file
-from qbench.paths import atomic_dir, check_output
+from qbench.models.zoo import SOURCE_FILE, resolve_model
+from qbench.paths import atomic_dir, check_output, tensors_sha256
 from qbench.quant.apply import check_recipe, quantize_model
 from qbench.quant.artifact import is_artifact
 from qbench.quant.artifact_write import save_artifact
@@ -48,22 +48,18 @@ def source_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
-def tensors_sha256(path: Path) -> str:
-    """sha256 of a safetensors file's content: its header with keys sorted, then its data. The writer
-    stores the metadata map in hash order, so two byte-different files of identical tensors and
-    metadata (the same quantization run twice) get one digest here; other files hash as they are."""
-    import hashlib
-    import json
-    import struct
-    if Path(path).suffix != ".safetensors":
-        return sha256_file(path)
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        h.update(json.dumps(json.loads(f.read(n)), sort_keys=True).encode())
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def calibration_path() -> dict:
+    """What computed a calibration pass: AWQ's grid search, GPTQ's Hessian and SmoothQuant's maxima turn the
+    last bits of the calibration activations into choices, and those bits depend on the kernels that computed
+    them (qbench's own per instruction set, ATen's vectorised ops, oneDNN's and MKL's paths; issue 21)."""
+    from qbench.kernels import build
+
+    lib = build.load()
+    cpu, flags = build.cpu_info()
+    return {"qbench_kernels": "off" if lib is None else ("avx512" if lib.qb_isa() == 512 else "avx2"),
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkldnn": torch.backends.mkldnn.is_available(),
+            "cpu": cpu, "cpu_flags": build.machine()["cpu_flags"], "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
 
 
 def source_sha256(folder: Path) -> str:
@@ -120,7 +116,8 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
         src_record["provenance"] = json.loads((folder / SOURCE_FILE).read_text())
     manifest = {
         "recipe": recipe.to_dict(), "source": src_record, "versions": versions(), "seed": recipe.calibration.seed,
-        "calibration": calib_record, "layers": [] if result is None else result.layers,
+        "calibration": calib_record, "calibration_path": calibration_path() if recipe.needs_calibration else None,
+        "layers": [] if result is None else result.layers,
         "fp_linears": [] if result is None else [p for p, _ in model.linear_map() if p not in result.qtensors],
         "quantize_seconds": None if result is None else round(result.seconds, 2),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -80,6 +80,17 @@ def code_line(summary: dict) -> str:
         f"{', '.join(names)}: {said(c)}" for c, names in groups.items()) + ").")
 
 
+def digest_lines(summary: dict) -> list[str]:
+    """One warning per recipe whose variants hold different weights."""
+    out = []
+    for c in summary.get("digest_conflicts", []):
+        groups = "; ".join(f"{', '.join(names)}: weights {d[:12]}" for d, names in c["digests"].items())
+        out.append(f"Same recipe, different weights: recipe {c['recipe']} ({groups}). The recipe did not give the "
+                   f"same artifact twice, so these variants compare different quantizations; each artifact's "
+                   f"qbench.json says what computed its calibration (calibration_path).")
+    return out
+
+
 def detectable(mde: dict | None) -> str:
     """What a "not significant" is worth: the smallest difference this run could have detected."""
     if not mde:
@@ -129,6 +140,7 @@ def markdown(summary: dict, figures: dict[str, bytes]) -> str:
     out = [f"# qbench compare: suite `{s['name']}` (hash {s['hash']}, seed {s['seed']})", "",
            f"Baseline: **{summary['baseline']}**. Every variant ran the same suite and seed, so it saw the same "
            f"tokens, prompts and exemplars. {code_line(summary)}", ""]
+    out += [f"**{w}**" for w in digest_lines(summary)] + ([""] if digest_lines(summary) else [])
     for title, head, rows in tables(summary):
         out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(r) + " |" for r in rows] or ["| " + " | ".join(["—"] * len(head)) + " |"]
@@ -155,6 +167,7 @@ def page(summary: dict, figures: dict[str, bytes]) -> str:
            f"<p>Suite hash {e(s['hash'])}, seed {s['seed']}. Baseline: <b>{e(summary['baseline'])}</b>. Every "
            f"variant ran the same suite and seed, so it saw the same tokens, prompts and exemplars. "
            f"{e(code_line(summary))}</p>"]
+    out += [f"<p class='sig'>{e(w)}</p>" for w in digest_lines(summary)]
     for title, head, rows in tables(summary):
         out.append(f"<h2>{e(title)}</h2><div class='wrap'><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
         for r in rows:

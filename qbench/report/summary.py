@@ -95,10 +95,22 @@ def paired_tests(v: Variant) -> list[dict]:
     return out
 
 
+def digest_conflicts(rows: list[dict]) -> list[dict]:
+    """Variants made by one recipe whose weights differ (their tensors' sha256): that recipe did not give the
+    same artifact twice, so they compare two quantizations, not one (issue 21). ``[{"recipe", "digests":
+    {sha256: [variant names]}}]``"""
+    by: dict = {}
+    for r in rows:
+        if r.get("recipe") and r.get("weights_sha256"):
+            by.setdefault(r["recipe"], {}).setdefault(r["weights_sha256"], []).append(r["name"])
+    return [{"recipe": k, "digests": v} for k, v in by.items() if len(v) > 1]
+
+
 def build(variants: list[Variant]) -> dict:
     base = variants[0]
+    rows = [variant_row(v) for v in variants]
     return {"suite": {k: base.record["suite"][k] for k in ("name", "hash", "seed")},
             "baseline": base.name, "alpha": ALPHA,
-            "variants": [variant_row(v) for v in variants],
+            "variants": rows, "digest_conflicts": digest_conflicts(rows),
             "code": {v.name: commits_of(v.record) for v in variants},
             "paired": {v.name: paired_tests(v) for v in variants[1:]}}
