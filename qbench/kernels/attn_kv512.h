@@ -76,25 +76,12 @@ static inline __attribute__((always_inline)) void score_codes2_512(const int BIT
         case 8: SCORE_PAIR_BITS(8, NG, __VA_ARGS__); break; case 4: SCORE_PAIR_BITS(4, NG, __VA_ARGS__); break; \
         default: SCORE_PAIR_BITS(2, NG, __VA_ARGS__); break; }
 
+#define FLOOR512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+
 /* exp256's operations, in its order, on 16 lanes */
 static inline __m512 exp512(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 z = _mm512_mul_ps(x, x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, z, x);
-    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(0x7f)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    EXP_PS(512, x, FLOOR512);
+    return x;
 }
 
 static inline void softmax_row512(float *s, long n) {

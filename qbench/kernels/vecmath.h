@@ -3,25 +3,28 @@
 #include <immintrin.h>
 #include <math.h>
 
-/* exp for 8 floats: Cephes-style range reduction and polynomial, |rel err| < 2e-7. */
+/* exp of a vector of W-bit floats (W = 256 or 512), Cephes-style range reduction and polynomial, |rel err| <
+ * 2e-7. One body for both widths, so a lane's exp is the same bits at either width (attn_kv512.h's softmax). */
+#define EXP_PS(W, x, FLOOR) do {                                                                          \
+        const __m##W hi_ = _mm##W##_set1_ps(88.3762626647949f), lo_ = _mm##W##_set1_ps(-88.3762626647949f);  \
+        x = _mm##W##_min_ps(_mm##W##_max_ps(x, lo_), hi_);                                               \
+        __m##W fx = FLOOR(_mm##W##_fmadd_ps(x, _mm##W##_set1_ps(1.44269504088896341f), _mm##W##_set1_ps(0.5f))); \
+        x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(0.693359375f), x);                                   \
+        x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(-2.12194440e-4f), x);                                \
+        __m##W z = _mm##W##_mul_ps(x, x), y = _mm##W##_set1_ps(1.9875691500E-4f);                        \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.3981999507E-3f));                                 \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(8.3334519073E-3f));                                 \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(4.1665795894E-2f));                                 \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.6666665459E-1f));                                 \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(5.0000001201E-1f));                                 \
+        y = _mm##W##_add_ps(_mm##W##_fmadd_ps(y, z, x), _mm##W##_set1_ps(1.0f));                         \
+        __m##W##i e = _mm##W##_slli_epi32(_mm##W##_add_epi32(_mm##W##_cvttps_epi32(fx), _mm##W##_set1_epi32(0x7f)), 23); \
+        x = _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(e));                                              \
+    } while (0)
+
 static inline __m256 exp256(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, z, x);
-    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(0x7f)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    EXP_PS(256, x, _mm256_floor_ps);
+    return x;
 }
 
 static inline float hsum256(__m256 v) {
