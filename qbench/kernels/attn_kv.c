@@ -115,9 +115,9 @@ typedef struct {
     const uint8_t *qvalid;
     const float *rk, *rv;  /* a quantized cache's fp32 residual rings */
     kv_src K, V;
-    long g, maxlen, krb, vrb, kC, vC, nvg;
+    long g, maxlen, krb, vrb, vC, nvg;
     int kper, vper;
-    int kperm[MAXHD], kinv[MAXHD], vperm[MAXHD], vgroup_of[MAXHD];  /* channel <-> perm position; V chunk -> group */
+    int kinv[MAXHD], vperm[MAXHD], vgroup_of[MAXHD];  /* K perm position -> channel; V channel -> perm position; V chunk -> group */
 } kv_call;
 
 typedef struct {  /* one thread's buffers */
@@ -243,14 +243,12 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
     C->vrb = row_bytes(&C->V, hd);
     C->kper = kmode == KV_CHANNEL ? 8 / kbits : 1;
     C->vper = vmode == KV_TOKEN ? 8 / vbits : 1;
-    C->kC = 8 * C->kper;
     C->vC = 8 * C->vper;
     C->nvg = vmode == KV_TOKEN ? hd / vg : 1;
-    const long kC = C->kC, vC = C->vC, g = C->g;
+    const long kC = 8 * C->kper, vC = C->vC, g = C->g;
     const int kper = C->kper, vper = C->vper;
     for (long d = 0; d < hd; d++) {
-        C->kperm[d] = (int)((d / kC) * kC + (d % kC % kper) * 8 + d % kC / kper);
-        C->kinv[C->kperm[d]] = (int)d;
+        C->kinv[(d / kC) * kC + (d % kC % kper) * 8 + d % kC / kper] = (int)d;
         C->vperm[d] = (int)((d / vC) * vC + (d % vC % vper) * 8 + d % vC / vper);
     }
     for (long c = 0; c < hd / vC; c++) C->vgroup_of[c] = vmode == KV_TOKEN ? (int)(c * vC / vg) : 0;

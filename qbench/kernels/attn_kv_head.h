@@ -94,11 +94,11 @@ static void ATTEND(const kv_call *C, kv_scratch *S, long bt, long kh) {
             const int mode = in_ring ? KV_F32 : V->mode;
             const char *rows = (const char *)span_row(&sp, off0, nkv, hd, vrb);
             const long rstride = in_ring ? nkv * hd * (long)sizeof(float) : nkv * vrb;
-            for (long i = 0; i < g; i++)  /* each row's weight per head */
-                for (long r = 0; r < nrow; r++) {
-                    const float mul = (!in_ring && V->mode == KV_FP8) ? half_to_float(V->scale[blk * bs + off0 + r]) : 1.0f;
-                    wbuf[i * bs + r] = scores[i * maxlen + j0 + r - start] * mul;
-                }
+            float *mul = S->rowf;  /* each row's FP8 scale (1 otherwise), then its weight per head */
+            for (long r = 0; r < nrow; r++)
+                mul[r] = (!in_ring && V->mode == KV_FP8) ? half_to_float(V->scale[blk * bs + off0 + r]) : 1.0f;
+            for (long i = 0; i < g; i++)
+                for (long r = 0; r < nrow; r++) wbuf[i * bs + r] = scores[i * maxlen + j0 + r - start] * mul[r];
 #if WIDE
             vrows512_all(mode, rows, rstride, nrow, wbuf, bs, g, accn, hd);
 #else

@@ -49,7 +49,6 @@ static inline __attribute__((always_inline)) __m256 hsum256x8(const float *v) {
     return _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* s[0..n) <- softmax(s), in place; max-subtracted, so no score overflows exp */
 /* max of s[0..n): exact in any order */
 static inline float row_max(const float *s, long n) {
     __m256 vm = _mm256_set1_ps(-INFINITY);
@@ -63,6 +62,7 @@ static inline float row_max(const float *s, long n) {
     return m;
 }
 
+/* s[0..n) <- softmax(s), in place; max-subtracted, so no score overflows exp */
 static inline void softmax_row(float *s, long n) {
     const float m = row_max(s, n);
     __m256 vm = _mm256_set1_ps(m), vsum = _mm256_setzero_ps();

@@ -55,11 +55,9 @@ def calibration_path() -> dict:
     from qbench.kernels import build
 
     lib = build.load()
-    cpu, flags = build.cpu_info()
     return {"qbench_kernels": "off" if lib is None else ("avx512" if lib.qb_isa() == 512 else "avx2"),
             "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(), "mkldnn": torch.backends.mkldnn.is_available(),
-            "cpu": cpu, "cpu_flags": build.machine()["cpu_flags"], "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            **build.machine()}  # cpu, cpu_flags, threads, torch: what bench records of a machine
 
 
 def source_sha256(folder: Path) -> str:

@@ -140,7 +140,8 @@ def markdown(summary: dict, figures: dict[str, bytes]) -> str:
     out = [f"# qbench compare: suite `{s['name']}` (hash {s['hash']}, seed {s['seed']})", "",
            f"Baseline: **{summary['baseline']}**. Every variant ran the same suite and seed, so it saw the same "
            f"tokens, prompts and exemplars. {code_line(summary)}", ""]
-    out += [f"**{w}**" for w in digest_lines(summary)] + ([""] if digest_lines(summary) else [])
+    warnings = digest_lines(summary)
+    out += [f"**{w}**" for w in warnings] + ([""] if warnings else [])
     for title, head, rows in tables(summary):
         out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(r) + " |" for r in rows] or ["| " + " | ".join(["—"] * len(head)) + " |"]
