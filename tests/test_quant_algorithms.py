@@ -29,6 +29,7 @@ def layer_inputs(smollm2):
 
 
 def out_err(X, W, Wq):
+    X, W, Wq = X.double(), W.double(), Wq.double()  # capture keeps float64, the calibration's precision
     ref = X @ W.t()
     return ((X @ Wq.t() - ref).norm() / ref.norm()).item()
 
@@ -71,7 +72,7 @@ def _clip_reference(X, W, bits, group, sym, grid=20, max_shrink=0.5):
     X = X.float()[:: max(1, X.shape[0] // CLIP_TOKENS)][:CLIP_TOKENS].double()
     N, K = W.shape
     G = group or K
-    out = torch.zeros(N, -(-K // G))
+    out = torch.zeros(N, -(-K // G), dtype=torch.float64)
     for r in range(N):
         for g in range(out.shape[1]):
             cols = slice(g * G, min((g + 1) * G, K))

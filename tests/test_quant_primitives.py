@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from qbench.quant.primitives import (bytes_per_weight, dequantize, pack_int4, quantize_int4, quantize_int8,
+from qbench.quant.primitives import (bytes_per_weight, dequantize, fake_quantize, pack_int4, quantize_int4, quantize_int8,
                                      storage_bytes, unpack_int4)
 
 
@@ -80,3 +80,17 @@ def test_storage_size_is_exact():
     qa = quantize_int4(W(64, 1024), 128, symmetric=False)
     assert storage_bytes(qa) == 64 * 1024 // 2 + 64 * 8 * 2 + 64 * 8
     assert storage_bytes(quantize_int8(W(64, 1024))) == 64 * 1024 + 64 * 2
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("K", [128, 200, 576])
+def test_fake_quantize_equals_dequantize_of_the_stored_codes(group, symmetric, K):
+    """fake_quantize keeps INT4 codes in float (AWQ's search calls it 20 times per mapping): its values must be
+    those of quantize-then-dequantize, bit for bit, padded last group and all-zero groups included."""
+    g = torch.Generator().manual_seed(K + group)
+    w = torch.randn(24, K, generator=g, dtype=torch.float64) * torch.rand(24, 1, generator=g, dtype=torch.float64) * 3
+    w[3, : min(group, K)] = 0  # a group of zeros
+    w[5] = w[5].abs()  # all positive: the asymmetric grid's zero point at 0
+    assert torch.equal(fake_quantize(w, 4, group, symmetric), dequantize(quantize_int4(w, group, symmetric)))
+    assert torch.equal(fake_quantize(w, 8, None, True), dequantize(quantize_int8(w)))

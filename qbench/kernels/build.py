@@ -16,6 +16,7 @@ import warnings
 from functools import lru_cache
 from pathlib import Path
 
+from qbench.errors import QBenchError
 from qbench.paths import qbench_home
 
 SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
@@ -55,6 +56,21 @@ def machine() -> dict:
 
 def disabled() -> bool:
     return os.environ.get("QBENCH_NO_KERNELS", "") not in ("", "0")
+
+
+ISAS = {"avx2": 256, "avx512": 512}
+
+
+def forced_isa() -> int | None:
+    """``QBENCH_ISA=avx2`` makes the kernels take their AVX2 path on an AVX-512 CPU (the run-time dispatch
+    overridden, as the tests do with qb_set_isa); ``avx512`` asks for the AVX-512 path, which a CPU without it
+    cannot give."""
+    name = os.environ.get("QBENCH_ISA", "")
+    if name in ("", "auto"):
+        return None
+    if name not in ISAS:
+        raise QBenchError(f"QBENCH_ISA={name}: unknown; use one of auto, {', '.join(ISAS)}")
+    return ISAS[name]
 
 
 @lru_cache(maxsize=1)
@@ -112,6 +128,12 @@ def load() -> ctypes.CDLL | None:
     dll.qb_isa.restype, dll.qb_isa.argtypes = ctypes.c_int, []
     dll.qb_a8_wide.restype, dll.qb_a8_wide.argtypes = ctypes.c_int, []
     dll.qb_decode_scratch.restype, dll.qb_decode_scratch.argtypes = ctypes.c_long, [P, L]
+    isa = forced_isa()
+    if isa is not None:
+        if isa > dll.qb_isa():
+                raise QBenchError(f"QBENCH_ISA={os.environ['QBENCH_ISA']}: this CPU ({cpu_info()[0]}) has no AVX-512 "
+                              f"VNNI path; unset QBENCH_ISA or use avx2")
+        dll.qb_set_isa(isa)
     return dll
 
 

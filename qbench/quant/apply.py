@@ -2,7 +2,8 @@
 
 RTN needs no data. AWQ and GPTQ run the calibration windows through the model one block at a
 time: the block's linear inputs are captured, the block is quantized, and its quantized output
-becomes the next block's input (llm-compressor's sequential pipeline).
+becomes the next block's input (llm-compressor's sequential pipeline). All of it runs in float64
+on a widened copy of each block in turn (wide.py), so the artifact does not depend on the machine.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from qbench.errors import QBenchError
 from qbench.layers.embedding import Embedding
 from qbench.models.base import CausalLM
-from qbench.quant import awq, gptq, smoothing
+from qbench.quant import awq, gptq, smoothing, wide
 from qbench.quant.passes import block_forward, capture, progress
 from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, quantize_fp8, quantize_int4, \
     quantize_int8
@@ -70,11 +71,11 @@ def rtn(W: torch.Tensor, bits: int, group: int | None, symmetric: bool, type: st
 
 
 def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None) -> dict:
-    dq = dequantize(q)
+    dq = dequantize(q).to(W.dtype)
     rec = {"module": path, "shape": list(W.shape), "weight_rel_error": ((dq - W).norm() / W.norm()).item()}
     if X is not None:  # against the fp layer: with int8 activations, their rounding counts too
         ref = X @ W.t()
-        Xq = fake_quantize_activations(X) if q.activations == "int8" else X
+        Xq = fake_quantize_activations(X).to(X.dtype) if q.activations == "int8" else X
         rec["output_rel_error"] = ((Xq @ dq.t() - ref).norm() / ref.norm()).item()
     return rec
 
@@ -174,12 +175,13 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                           f"{' with smoothquant' if recipe.smoothquant else ''} needs calibration data")
     with torch.inference_mode():
         positions = torch.arange(calib.shape[1]).expand_as(calib)
-        x = model.embed(calib, positions)  # (S, T, H)
+        x = model.embed(calib, positions).to(wide.WIDE)  # (S, T, H); the calibration runs in float64: see wide.py
         t_blocks = time.perf_counter()
         for bi, block in enumerate(model.blocks):
             prefix = f"blocks.{bi}."
             names = [p for p in todo if p.startswith(prefix)]
             local = [n[len(prefix):] for n in names]  # as the block names them: qkv, o_proj, ...
+            wide.widen(block)
             inputs = capture(model.config, block, x, local, recipe.awq.max_tokens,
                              hessian=ws.method == "gptq", maxima=recipe.smoothquant is not None)
             clips = {}
@@ -190,7 +192,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
             if recipe.smoothquant is not None:
                 _smoothquant_block(model, block, bi, inputs, recipe, res)
             for name in names:
-                W = _get(model, name).weight.float()
+                W = _get(model, name).weight  # (N, K) float64, with any scales folded in
                 bits, group, sym, kind = ws.linear_scheme(name)
                 if ws.method == "gptq":
                     H = inputs["H:" + name[len(prefix):]]
@@ -200,8 +202,12 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     clip = clips.get(name[len(prefix):])
                     Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
                     q = rtn(Wc, bits, group, sym, kind)
-                _replace(model, name, q, W, inputs[name[len(prefix):]], res, ws.activations)
+                q.activations = ws.activations
+                res.qtensors[name] = q
+                res.layers.append(_record(name, W, q, inputs[name[len(prefix):]]))
+                _get(model, name).quantized(q)
             x = block_forward(model.config, block, x)  # the quantized block's output feeds the next block
+            wide.narrow(block)
             log(progress(bi + 1, len(model.blocks), time.perf_counter() - t_blocks,
                          ws.method + (" + smoothquant" if recipe.smoothquant else "")))
         if "lm_head" in todo:
@@ -217,7 +223,7 @@ def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantRe
         if xname not in inputs:
             continue
         X = inputs[xname]
-        W = torch.cat([block.get_submodule(b).weight.float() for b in balance])
+        W = torch.cat([block.get_submodule(b).weight for b in balance])
         bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{balance[0]}")  # one fused linear per mapping
         s, rec = awq.search_scales(X, W, bits, group, sym, recipe.awq.grid)
         rec.update({"block": bi, "smooth": smooth, "balance": balance})
@@ -235,12 +241,12 @@ def _awq_clip_block(block, bi: int, names: list[str], inputs: dict, recipe: Reci
     for name in names:
         bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{name}")
         group = group if bits == 4 else None
-        W = block.get_submodule(name).weight.float()
+        W = block.get_submodule(name).weight
         rows = slice(0, W.shape[0])
         if name == "qkv":
             rows = slice((block.nh + block.nkv) * block.hd, W.shape[0])
         clip, rec = awq.search_clip(inputs[name], W[rows], bits, group, sym, recipe.awq.grid)
-        full = torch.full((W.shape[0], clip.shape[1]), float("inf"))
+        full = torch.full((W.shape[0], clip.shape[1]), float("inf"), dtype=clip.dtype)
         full[rows] = clip
         out[name] = full
         res.layers.append({"module": f"blocks.{bi}.{name}", "awq_clip": dict(rec, rows=[rows.start, rows.stop])})
@@ -255,7 +261,7 @@ def _smoothquant_block(model, block, bi: int, inputs: dict, recipe: Recipe, res:
         if xname not in inputs:
             continue
         X, x_max = inputs[xname], inputs["max:" + xname]
-        W = torch.cat([block.get_submodule(b).weight.float() for b in balance])
+        W = torch.cat([block.get_submodule(b).weight for b in balance])
         tie = (lambda t: smoothing.tie_groups(t, cfg.num_kv_heads, cfg.head_dim)) if smooth == "v" else None
         rec = {"block": bi, "smooth": smooth, "balance": balance, "alpha": sq.alpha}
         if sq.search:
@@ -276,4 +282,4 @@ def _fold(block, smooth: str, balance: list[str], s: torch.Tensor, inputs: dict,
     if "max:" + xname in inputs:
         inputs["max:" + xname] = inputs["max:" + xname] / s
     if "H:" + xname in inputs:
-        inputs["H:" + xname] = inputs["H:" + xname] / torch.outer(s, s).double()
+        inputs["H:" + xname] = inputs["H:" + xname] / torch.outer(s, s)

@@ -39,13 +39,14 @@ def _quant_col(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: i
 
 
 def hessian_add(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """Running mean of x^T x over calibration tokens; x (..., K). The product runs in float32 (as the
-    reference GPTQ does), the running mean is kept in float64."""
-    x = x.reshape(-1, x.shape[-1]).float()
+    """Running mean of x^T x over calibration tokens; x (..., K), all in float64. The reference GPTQ forms the
+    product in float32, whose last bits depend on the BLAS path and thread count; float64 makes the artifact
+    the same on every machine (wide.py)."""
+    x = x.reshape(-1, x.shape[-1]).double()
     m = x.shape[0]
     H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64) if H is None else H
     H *= n / (n + m)
-    H += (x.t() @ x).double() / (n + m)
+    H += (x.t() @ x) / (n + m)
     return H, n + m
 
 
@@ -56,7 +57,7 @@ def inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
     triangular, so H^-1 = U^T U with U = (J L J)^-1 = J L^-1 J. One Cholesky and one triangular solve, instead
     of Cholesky, inverse and Cholesky again (torch's cholesky_inverse took 12 s at K = 1,536 on a 2-core EPYC,
     this 0.3 s); the two agree to 3e-16 relative.
-    H's float32 product X^T X is not exactly symmetric, so the lower triangle is mirrored first."""
+    A BLAS product X^T X need not be exactly symmetric, so the lower triangle is mirrored first."""
     H = torch.tril(H) + torch.tril(H, -1).t()  # Cholesky reads one triangle: the lower one, as before the flip
     L = torch.linalg.cholesky(H.flip(0, 1))
     eye = torch.eye(H.shape[0], dtype=H.dtype)
@@ -105,7 +106,7 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group: int | None
     ngroups = Kp // G if G else 1
     scales = torch.zeros(N, ngroups, dtype=torch.float64)
     zeros = None if (bits == 8 or symmetric) else torch.zeros(N, ngroups, dtype=torch.float64)
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(K)
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(K)
     static = act_order or bits == 8
     if static:  # parameters from the original weights, per original group (or per row for INT8)
         for g in range(ngroups):

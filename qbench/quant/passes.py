@@ -43,7 +43,7 @@ def capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hess
 
     def hook(name):
         def fn(mod, args):
-            xin = args[0].reshape(-1, args[0].shape[-1]).float()
+            xin = args[0].reshape(-1, args[0].shape[-1]).double()  # the calibration's precision (wide.py)
             if hessian:
                 store["H:" + name], store["n:" + name] = gptq.hessian_add(store.get("H:" + name), xin,
                                                                            store.get("n:" + name, 0))

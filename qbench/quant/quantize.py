@@ -49,9 +49,9 @@ def source_commit() -> str | None:
 
 
 def calibration_path() -> dict:
-    """What computed a calibration pass: AWQ's grid search, GPTQ's Hessian and SmoothQuant's maxima turn the
-    last bits of the calibration activations into choices, and those bits depend on the kernels that computed
-    them (qbench's own per instruction set, ATen's vectorised ops, oneDNN's and MKL's paths; issue 21)."""
+    """What computed a calibration pass (qbench's kernels and their instruction set, ATen's vectorised ops, the
+    CPU, threads, torch). The calibration runs in float64 so that these do not change the artifact (wide.py);
+    the record says where an artifact came from if one ever does."""
     from qbench.kernels import build
 
     lib = build.load()

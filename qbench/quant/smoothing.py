@@ -43,7 +43,7 @@ def fold(block, smooth: str, balance: list[str], s: torch.Tensor) -> None:
             raise ValueError("v -> o scales must be shared by the query heads of a KV group")
     for b in balance:
         lin = block.get_submodule(b)
-        lin.set_weight(lin.weight.float() * s)
+        lin.set_weight(lin.weight * s)
     if smooth in ("input_norm", "post_norm"):
         norm = block.get_submodule(smooth)
         norm.weight.data = norm.weight.data / s
@@ -57,7 +57,7 @@ def fold(block, smooth: str, balance: list[str], s: torch.Tensor) -> None:
 
 def _divide_rows(lin, start: int, s: torch.Tensor) -> None:
     """Rows [start, start + len(s)) of a linear's output, its bias included (Qwen2's q/k/v have one), by s."""
-    W = lin.weight.float().clone()
+    W = lin.weight.clone()
     W[start:start + s.numel()] /= s[:, None]
     lin.set_weight(W)
     if getattr(lin, "bias", None) is not None:
@@ -68,10 +68,10 @@ def smoothquant_scales(x_max: torch.Tensor, W: torch.Tensor, alpha: float, tie=N
     """s_j = max|X_j|^alpha / max_i |W_ij|^(1 - alpha) for each input channel j; x_max (K,), W (N, K).
     Channels that never fire (or weights that are all zero) keep s = 1. ``tie``: a function applied to both
     maxima (``tie_groups``) so that tied channels get one scale."""
-    w_max = W.abs().amax(0).float()
+    w_max = W.abs().amax(0).to(x_max.dtype)
     if tie is not None:
         x_max, w_max = tie(x_max), tie(w_max)
-    s = x_max.float().clamp(min=1e-5).pow(alpha) / w_max.clamp(min=1e-5).pow(1 - alpha)
+    s = x_max.clamp(min=1e-5).pow(alpha) / w_max.clamp(min=1e-5).pow(1 - alpha)
     dead = (x_max <= 0) | (w_max <= 0)
     return torch.where(dead, torch.ones_like(s), s).clamp(min=1e-5)
 
@@ -79,9 +79,10 @@ def smoothquant_scales(x_max: torch.Tensor, W: torch.Tensor, alpha: float, tie=N
 def smoothed_error(X: torch.Tensor, W: torch.Tensor, s: torch.Tensor, bits: int, group: int | None,
                    symmetric: bool) -> float:
     """Mean squared error of the smoothed, quantized layer ((X / s) on its int8 grid against W s on its weight
-    grid) against the fp layer X W^T."""
+    grid) against the fp layer X W^T, in X's precision."""
+    W = W.to(X.dtype)
     ref = X @ W.t()
-    got = fake_quantize_activations(X / s) @ fake_quantize(W * s, bits, group, symmetric).t()
+    got = fake_quantize_activations(X / s).to(X.dtype) @ fake_quantize(W * s, bits, group, symmetric).to(X.dtype).t()
     return (got - ref).pow(2).mean().item()
 
 
@@ -90,7 +91,7 @@ def search_alpha(X: torch.Tensor, x_max: torch.Tensor, W: torch.Tensor, bits: in
     """The alpha of ``grid`` whose scales give the lowest ``smoothed_error`` on the captured inputs X (T, K), at
     most ``SEARCH_TOKENS`` of them: 11 alphas on 4,096 tokens took Qwen2.5-0.5B's gate/up search to minutes
     per block, and the choice is a coarse one."""
-    X, W = X[:SEARCH_TOKENS].float(), W.float()
+    X = X[:SEARCH_TOKENS]
     losses = {a: smoothed_error(X, W, smoothquant_scales(x_max, W, a, tie), bits, group, symmetric) for a in grid}
     best = min(losses, key=losses.get)
     return best, {"alpha": best, "mse": losses[best], "mse_by_alpha": losses}
