@@ -80,12 +80,18 @@ def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None) -> d
     return rec
 
 
-def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None,
-             res: QuantResult, activations: str = "fp32") -> None:
-    """Swap the linear at ``path`` for its quantized module and record its error."""
+def _keep(path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None, res: QuantResult,
+          activations: str) -> None:
+    """Add the quantized weight of the linear at ``path`` to the result, with its error record."""
     q.activations = activations
     res.qtensors[path] = q
     res.layers.append(_record(path, W, q, X))
+
+
+def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None,
+             res: QuantResult, activations: str = "fp32") -> None:
+    """Swap the linear at ``path`` for its quantized module and record its error."""
+    _keep(path, q, W, X, res, activations)
     _set(model, path, make_qlinear(q, _get(model, path).bias))
 
 
@@ -202,10 +208,8 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     clip = clips.get(name[len(prefix):])
                     Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
                     q = rtn(Wc, bits, group, sym, kind)
-                q.activations = ws.activations
-                res.qtensors[name] = q
-                res.layers.append(_record(name, W, q, inputs[name[len(prefix):]]))
-                _get(model, name).quantized(q)
+                _keep(name, q, W, inputs[name[len(prefix):]], res, ws.activations)
+                _get(model, name).quantized(q)  # the widened block computes with the dequantized weights
             x = block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             wide.narrow(block)
             log(progress(bi + 1, len(model.blocks), time.perf_counter() - t_blocks,
