@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from qbench.quant.primitives import (bytes_per_weight, dequantize, fake_quantize, pack_int4, quantize_int4, quantize_int8,
-                                     storage_bytes, unpack_int4)
+from qbench.quant.primitives import (bytes_per_weight, dequantize, fake_quantize, pack_int4, quantize_int4,
+                                     quantize_int8, storage_bytes, unpack_int4)
 
 
 def W(n=48, k=256, seed=0):

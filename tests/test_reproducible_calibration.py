@@ -54,7 +54,7 @@ for name, q in sorted(res.qtensors.items()):
 for name, t in sorted(model.state_dict().items()):
     if name.endswith("bias") or "norm" in name or "ln_" in name:
         h.update(name.encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
-print(json.dumps({"digest": h.hexdigest(), "path": calibration_path(), "tensors": len(res.qtensors)}))
+print(json.dumps({"digest": h.hexdigest(), "path": calibration_path()}))
 """
 
 
@@ -67,13 +67,15 @@ def _recipe(tmp_path, name: str, samples: int, seq_len: int, group: int | None =
     return path
 
 
-def _check_path(name: str, got: dict) -> None:
-    expect = PATHS[name][1] if name in PATHS else {}
-    assert {k: got[k] for k in expect} == expect, (name, got)  # the environment took effect
-
-
-def _env(name: str) -> dict:
-    return dict(os.environ, HF_HUB_OFFLINE="1", **(PATHS[name][0] if name in PATHS else {}))
+def _assert_one_digest(paths: list[str], run) -> None:
+    """``run(name, env) -> (calibration_path record, digest)`` in a process with each path's environment, the
+    default one first: each record shows that its environment took effect, and the digests are one."""
+    got = {}
+    for name in ["default", *paths]:
+        env, expect = PATHS.get(name, ({}, {}))
+        record, got[name] = run(name, dict(os.environ, HF_HUB_OFFLINE="1", **env))
+        assert {k: record[k] for k in expect} == expect, (name, record)
+    assert len(set(got.values())) == 1, got
 
 
 @pytest.mark.parametrize("family, method", [("llama", "awq-clip"), ("qwen2", "w8a8-sq"), ("llama-tied-bias", "gptq"),
@@ -81,15 +83,14 @@ def _env(name: str) -> dict:
 def test_a_tiny_model_quantizes_to_one_digest_on_every_path(tiny_models, tmp_path, family, method):
     folder, _ = tiny_models[family]
     recipe = _recipe(tmp_path, method, 4, 48, group=32)
-    got = {}
-    for name in ["default", *PATHS]:
+
+    def run(name, env):
         r = subprocess.run([sys.executable, "-c", TINY, str(folder), str(recipe)], capture_output=True, text=True,
-                           env=_env(name), timeout=600)
+                           env=env, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        _check_path(name, out["path"])
-        got[name] = out["digest"]
-    assert len(set(got.values())) == 1, got
+        return out["path"], out["digest"]
+    _assert_one_digest(list(PATHS), run)
 
 
 # SmolLM2's runs take 25-70 s each: every method on the torch path and on another instruction set (AVX2 on an
@@ -105,13 +106,12 @@ def test_smollm2_quantizes_to_one_digest_on_every_path(smollm2, tmp_path, method
     """SmolLM2 with a short calibration (2 windows of 128 tokens), through qbench quantize: the artifact's
     weights_sha256 on the default path and on forced ones."""
     recipe = _recipe(tmp_path, method, 2, 128)
-    got = {}
-    for name in ["default", *paths]:
+
+    def run(name, env):
         art = tmp_path / f"{method}-{name}"
         r = subprocess.run([sys.executable, "-m", "qbench", "quantize", str(smollm2), "--recipe", str(recipe),
-                            "--out", str(art)], capture_output=True, text=True, env=_env(name), timeout=900)
+                            "--out", str(art)], capture_output=True, text=True, env=env, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
         manifest = json.loads((art / "qbench.json").read_text())
-        _check_path(name, manifest["calibration_path"])
-        got[name] = manifest["weights_sha256"]
-    assert len(set(got.values())) == 1, got
+        return manifest["calibration_path"], manifest["weights_sha256"]
+    _assert_one_digest(paths, run)

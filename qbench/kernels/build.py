@@ -131,7 +131,7 @@ def load() -> ctypes.CDLL | None:
     isa = forced_isa()
     if isa is not None:
         if isa > dll.qb_isa():
-                raise QBenchError(f"QBENCH_ISA={os.environ['QBENCH_ISA']}: this CPU ({cpu_info()[0]}) has no AVX-512 "
+            raise QBenchError(f"QBENCH_ISA={os.environ['QBENCH_ISA']}: this CPU ({cpu_info()[0]}) has no AVX-512 "
                               f"VNNI path; unset QBENCH_ISA or use avx2")
         dll.qb_set_isa(isa)
     return dll

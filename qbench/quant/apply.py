@@ -45,11 +45,6 @@ def _get(model: torch.nn.Module, path: str) -> torch.nn.Module:
     return model.get_submodule(path)
 
 
-def _set(model: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, module)
-
-
 def targets(model: CausalLM, recipe: Recipe) -> list[str]:
     ws = recipe.weights
     out = []
@@ -92,7 +87,7 @@ def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.T
              res: QuantResult, activations: str = "fp32") -> None:
     """Swap the linear at ``path`` for its quantized module and record its error."""
     _keep(path, q, W, X, res, activations)
-    _set(model, path, make_qlinear(q, _get(model, path).bias))
+    model.set_submodule(path, make_qlinear(q, _get(model, path).bias))
 
 
 def _head_scheme(model: CausalLM, recipe: Recipe) -> tuple | None:

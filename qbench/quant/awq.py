@@ -86,7 +86,8 @@ def search_clip(X: torch.Tensor, W: torch.Tensor, bits: int, group: int | None, 
         for i in shrinks:
             m = org_max[r0: r0 + CLIP_ROWS] * factors[i]  # (n, ng)
             wc = torch.maximum(torch.minimum(w, m[..., None]), -m[..., None]).reshape(w.shape[0], -1)[:, :K]
-            wq = torch.nn.functional.pad(fake_quantize(wc, bits, group, symmetric).to(X.dtype), (0, Kp - K)).view(w.shape)
+            wq = fake_quantize(wc, bits, group, symmetric).to(X.dtype)
+            wq = torch.nn.functional.pad(wq, (0, Kp - K)).view(w.shape)
             err = (torch.bmm(Xg, wq.permute(1, 2, 0)) - ref).pow(2).mean(1).t()  # (n, ng)
             better = err < best
             best = torch.where(better, err, best)

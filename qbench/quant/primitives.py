@@ -82,21 +82,35 @@ def int4_params(w: torch.Tensor, group: int, symmetric: bool) -> tuple[torch.Ten
     return scale, zero
 
 
-def quantize_int4_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
-    """Codes (N, K_pad) uint8 in [0, 15] for w under given group parameters."""
+def _int4_levels(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Unsigned codes (N, ngroups, group) in [0, 15], still float, for w under given group parameters. A group of
+    zeros whose scale is 0 gets 0/0 = NaN codes."""
     N, K = w.shape
     wp = torch.nn.functional.pad(w.float(), (0, padded_width(K, group) - K)).view(N, -1, group)
     s = scale.float()[..., None]
     if zero is None:
-        q = torch.clamp(torch.round(wp / s), -8, 7) + 8
-    else:
-        q = torch.clamp(torch.round(wp / s) + zero.float()[..., None], 0, 15)
-    return q.view(N, -1).to(torch.uint8)
+        return torch.clamp(torch.round(wp / s), -8, 7) + 8
+    return torch.clamp(torch.round(wp / s) + zero.float()[..., None], 0, 15)
+
+
+def _int4_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, K: int) -> torch.Tensor:
+    """Float codes (N, ngroups, group) -> their values (N, K): (code - zero) * scale, zero 8 when symmetric."""
+    z = 8.0 if zero is None else zero.float()[..., None]
+    return ((codes - z) * scale.float()[..., None]).view(codes.shape[0], -1)[:, :K]
+
+
+def quantize_int4_with(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Codes (N, K_pad) uint8 in [0, 15] for w under given group parameters."""
+    return _int4_levels(w, scale, zero, group).view(w.shape[0], -1).to(torch.uint8)
+
+
+def _check_group(group: int) -> None:
+    if group not in GROUP_SIZES:
+        raise ValueError(f"group size {group} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
 
 
 def quantize_int4(w: torch.Tensor, group: int, symmetric: bool = True) -> QTensor:
-    if group not in GROUP_SIZES:
-        raise ValueError(f"group size {group} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
+    _check_group(group)
     scale, zero = int4_params(w, group, symmetric)
     return QTensor(4, quantize_int4_with(w, scale, zero, group), scale, zero, group, tuple(w.shape))
 
@@ -108,9 +122,7 @@ def dequantize(q: QTensor) -> torch.Tensor:
         return fp8_values(q.codes) * q.scale.float()[:, None]
     if q.bits == 8:
         return q.codes.float() * q.scale.float()[:, None]
-    codes = q.codes.float().view(N, -1, q.group_size)
-    zero = 8.0 if q.zero is None else q.zero.float()[..., None]
-    return ((codes - zero) * q.scale.float()[..., None]).view(N, -1)[:, :K]
+    return _int4_values(q.codes.float().view(N, -1, q.group_size), q.scale, q.zero, K)
 
 
 ACTIVATIONS = ("fp32", "int8")
@@ -143,25 +155,16 @@ def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group: int | None, symmetric: bool) -> torch.Tensor:
-    """Quantize then dequantize: what a search (AWQ's grid) compares against. For INT4 the codes stay in
-    float (no uint8 round trip, one pad): the same values as ``dequantize(quantize_int4(w, ...))``, since
-    every step on them is exact in float32, and fewer passes over W for a search that calls it 20 times."""
+    """Quantize then dequantize: what a search (AWQ's grid) compares against. For INT4 the codes stay in float
+    (no uint8 round trip, for a search that calls this 20 times per mapping): the values of
+    ``dequantize(quantize_int4(w, ...))``, since every step on the codes is exact in float32."""
     if bits == 8:
         return dequantize(quantize_int8(w))
-    if group not in GROUP_SIZES:
-        raise ValueError(f"group size {group} is not supported (supported: {', '.join(map(str, GROUP_SIZES))})")
-    N, K = w.shape
+    _check_group(group)
     scale, zero = int4_params(w, group, symmetric)
-    wp = torch.nn.functional.pad(w.float(), (0, padded_width(K, group) - K)).view(N, -1, group)
-    s = scale.float()[..., None]
-    if zero is None:
-        q = torch.clamp(torch.round(wp / s), -8, 7)
-    else:
-        z = zero.float()[..., None]
-        q = torch.clamp(torch.round(wp / s) + z, 0, 15) - z
-    # a group of zeros has scale 0 and 0/0 codes; the stored path casts them to some code, which its 0 scale
-    # maps to 0 whatever it is
-    return (q.nan_to_num(0.0) * s).view(N, -1)[:, :K]
+    # a group of zeros has scale 0 and NaN codes; the stored path casts those to code 0 (on x86), as here
+    codes = _int4_levels(w, scale, zero, group).nan_to_num(0.0)
+    return _int4_values(codes, scale, zero, w.shape[1])
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

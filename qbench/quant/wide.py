@@ -58,11 +58,6 @@ class WideLinear(torch.nn.Module):
         return F.linear(x, self.w, self.bias)
 
 
-def _swap(block: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(block.get_submodule(parent) if parent else block, attr, module)
-
-
 def _norm_params(mod: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in (mod.weight, getattr(mod, "bias", None)) if p is not None]
 
@@ -71,7 +66,7 @@ def widen(block: torch.nn.Module) -> None:
     """Every fp linear of ``block`` -> a WideLinear, every norm's parameters -> float64, in place."""
     for name, mod in list(block.named_modules()):
         if isinstance(mod, Linear):
-            _swap(block, name, WideLinear(mod.weight, mod.bias))
+            block.set_submodule(name, WideLinear(mod.weight, mod.bias))
         elif isinstance(mod, (RMSNorm, LayerNorm)):
             for p in _norm_params(mod):
                 p.data = p.data.to(WIDE)
@@ -83,7 +78,7 @@ def narrow(block: torch.nn.Module) -> None:
     for name, mod in list(block.named_modules()):
         if isinstance(mod, WideLinear):
             bias = None if mod.bias is None else mod.bias.float()
-            _swap(block, name, make_qlinear(mod.q, bias) if mod.q is not None else Linear(mod.w.float(), bias))
+            block.set_submodule(name, make_qlinear(mod.q, bias) if mod.q is not None else Linear(mod.w.float(), bias))
         elif isinstance(mod, (RMSNorm, LayerNorm)):
             for p in _norm_params(mod):
                 p.data = p.data.float()
