@@ -68,9 +68,12 @@ def needle_heatmaps(variants: list[Variant]) -> bytes | None:
 def _frontier_plot(ax, pts: list[tuple], higher_is_better: bool) -> None:
     """(bytes, quality, row) points, labelled, and the dashed frontier through those that no other point beats
     on both (fewer bytes, better quality); x in MiB."""
+    names: dict[tuple, list[str]] = {}  # variants on one point (two policies, same score) share one label
     for i, (x, y, r) in enumerate(pts):
         ax.scatter(x / 2**20, y, color=COLORS[i % len(COLORS)], s=36, zorder=3)
-        ax.annotate(r["name"], (x / 2**20, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        names.setdefault((x, y), []).append(r["name"])
+    for (x, y), same in names.items():
+        ax.annotate("\n".join(same), (x / 2**20, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
     sign = -1 if higher_is_better else 1  # frontier in the order of worse-is-larger
     front, best = [], float("inf")
     for x, y, _ in sorted(pts, key=lambda p: (p[0], sign * p[1])):
@@ -109,6 +112,10 @@ def kv_pareto(rows: list[dict]) -> bytes | None:
     fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
     _frontier_plot(ax, pts, higher_is_better=True)
     ax.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+    ticks = sorted({x / 2**20 for x, _, _ in pts})  # each variant's size, instead of colliding minor labels
+    ax.set_xticks(ticks, [f"{t:,.3g}" for t in ticks], fontsize=7)
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("KV cache of one 16,384-token sequence (MiB)")
     ax.set_ylabel("needle score")
     ax.set_ylim(-0.05, 1.05)
