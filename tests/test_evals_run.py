@@ -68,8 +68,8 @@ def test_the_shipped_suites_load():
     for name in ("evals/evict.yaml", "evals/evict-4k.yaml"):  # issue 18's evidence: 4k KLD windows, needle grid
         e = load_suite(name)
         assert e.tasks["kld"].ctx == 4096 and e.tasks["perplexity"].ctx == 4096 and len(e.tasks["needle"].depths) == 3
-    assert load_suite("evals/evict.yaml").tasks["needle"].lengths == [2048, 4096, 8192, 16384]
     grid, needle = load_suite("evals/evict.yaml").tasks["needle"], load_suite("evals/evict-needle.yaml").tasks["needle"]
+    assert grid.lengths == [2048, 4096, 8192, 16384]
     assert (needle.lengths, needle.depths, needle.samples) == (grid.lengths, grid.depths, 1)  # its needle, one sample
     from qbench.evals.stats import mcnemar_mde
     assert mcnemar_mde(q.tasks["gsm8k_cot"].limit, int(0.2 * q.tasks["gsm8k_cot"].limit))["difference"] <= 0.08

@@ -17,6 +17,7 @@ from qbench.yamlfile import read_mapping
 __all__ = ["RecipeError", "Recipe", "WeightScheme", "Calibration", "GPTQOptions", "AWQOptions",
            "SmoothQuantOptions", "recipe_from_dict", "kv_from_dict", "load_kv_scheme", "load_recipe"]
 
+
 @dataclass(frozen=True)
 class Calibration:
     data: str = "evals/data/wikitext-2-raw/wiki.valid.raw"

@@ -1,5 +1,6 @@
 """The ``weights`` section of a recipe: the base scheme of the decoder linears, the head's and the embedding's,
-and per-linear overrides. Validated on construction, every error naming the file and the field.
+and per-linear overrides. Validated on construction, every error naming the file and the field. It also holds
+what every recipe section shares (RecipeError, check_keys), since recipe.py imports from here and not back.
 """
 
 from __future__ import annotations
