@@ -47,7 +47,7 @@ def test_the_avx512_int4_path_is_bit_identical_to_the_avx2_path(group, sym, N, K
     g = torch.Generator().manual_seed(N * K + group)
     lin = make_qlinear(quantize_int4(torch.randn(N, K, generator=g), group, sym), None, "native")
     lib = build.load()
-    for M in (1, 2, 5, 7, 13):
+    for M in (1, 2, 5, 7, 13, 16, 17, 33):  # 3 rows and more: tiles of up to 16 rows, one accumulator per row
         x = torch.randn(M, K, generator=g)
         try:
             lib.qb_set_isa(256)

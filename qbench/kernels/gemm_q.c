@@ -244,12 +244,12 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
 }
 #undef PAIR6
 
-/* The same INT4 math on AVX-512 VNNI: vpdpwssd multiplies and accumulates in one instruction, and
- * a zmm register takes two k-pairs at once. The 32-byte load of pairs j and j + 1 unpacks to
- * [pair j | pair j + 1] for columns 0-7 (low nibbles) and 8-15 (high nibbles); the activations
- * are laid out to match, 8 copies of pair j then 8 of pair j + 1 per 64 bytes (xq below), so one
- * memory operand serves both. A group's two halves are added in int32 before it is closed, so
- * the result is bit-identical to the AVX2 path. */
+/* The same INT4 math on AVX-512 VNNI, for one and two rows (decode): vpdpwssd multiplies and accumulates
+ * in one instruction, and a zmm register takes two k-pairs at once. The 32-byte load of pairs j and j + 1
+ * unpacks to [pair j | pair j + 1] for columns 0-7 (low nibbles) and 8-15 (high nibbles); the activations
+ * are laid out to match, 8 copies of pair j then 8 of pair j + 1 per 64 bytes (xq), so one memory operand
+ * serves both. A group's two halves are added in int32 before it is closed, so the result is bit-identical
+ * to the AVX2 path. (Three rows and more: tile_i4w below.) */
 #define ROWZ(i) if (MT > i) { __m512i xv = _mm512_loadu_si512(xq + i * ldq + (k >> 2) * 16);           \
                               a##i##0 = _mm512_dpwssd_epi32(a##i##0, wlo, xv);                          \
                               a##i##1 = _mm512_dpwssd_epi32(a##i##1, whi, xv); }
@@ -262,32 +262,6 @@ static inline __attribute__((always_inline)) void tile_i4q(const int MT, const i
         float *yr = acc + i * PANEL;                                                                 \
         _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_mul_ps(s0, sx), d0, _mm256_loadu_ps(yr)));       \
         _mm256_storeu_ps(yr + 8, _mm256_fmadd_ps(_mm256_mul_ps(s1, sx), d1, _mm256_loadu_ps(yr + 8))); }
-
-static inline AVX512 __attribute__((always_inline)) void tile_i4z(const int MT, const int32_t *xq, long ldq,
-                                                                const float *sx16, const int32_t *xs16,
-                                                                const uint8_t *w, const uint16_t *sc,
-                                                                const uint8_t *zp, long K4, long G, long ngroups,
-                                                                float *y, long N, long nvalid) {
-    float acc[6 * PANEL] = {0};
-    const __m512i mask16 = _mm512_set1_epi16(0x0F);
-    for (long gi = 0; gi < ngroups; gi++) {
-        __m512i a00 = _mm512_setzero_si512(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
-                a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-        long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
-        for (long k = gi * G; k < k1; k += 4) {
-            if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));
-            __m256i b = _mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2)));
-            __m512i b16 = _mm512_cvtepu8_epi16(b);  /* one widening serves both nibbles */
-            __m512i wlo = _mm512_and_si512(b16, mask16), whi = _mm512_srli_epi16(b16, 4);
-            ROWZ(0) ROWZ(1) ROWZ(2) ROWZ(3) ROWZ(4) ROWZ(5)
-        }
-        __m256 s0, s1;
-        __m256i z0, z1;
-        group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
-        CLOSEZ(0) CLOSEZ(1) CLOSEZ(2) CLOSEZ(3) CLOSEZ(4) CLOSEZ(5)
-    }
-    store_acc(acc, MT, y, N, nvalid);
-}
 
 /* One or two rows (decode): with only two accumulators per row, each vpdpwssd waits on the previous one
  * (latency, not throughput, bounds the loop). Two k-steps per iteration into separate accumulators,
@@ -335,21 +309,82 @@ static inline AVX512 __attribute__((always_inline)) void tile_i4z_small(const in
     store_acc(acc, MT, y, N, nvalid);
 }
 
-static AVX512 void panel_i4z(long M, const int32_t *xq, long ldq, const float *sx16, const int32_t *xs16,
-                             const uint8_t *w, const uint16_t *sc, const uint8_t *zp, long K4, long G,
-                             long ngroups, float *y, long N, long nvalid) {
+/* Three rows and more on AVX-512: one zmm holds one k-pair of all 16 columns (columns 0-7 from the low
+ * nibbles in its low half, 8-15 from the high nibbles in its high half), so each row needs one accumulator and
+ * meets the weights through vpdpwssd's embedded broadcast of its int16 pair: four bytes per row and pair, from
+ * xt, the tile's pairs interleaved row by row (pair j of row i at j * MT + i), so that one pointer and constant
+ * offsets reach every row. The six-row tile this replaced read xq, 64 bytes per row and two pairs, which at
+ * batch 32 streamed from L2 (a tile's rows of xq outgrow L1 at K = 1,536) and bounded the loop. With one
+ * accumulator per row a tile takes up to 16 rows, so the unpacking (three operations per pair) is shared by
+ * more rows. Integer sums are exact in any order and each group closes lane by lane as CLOSEZ does: the AVX2
+ * path's bits. */
+#define W_ACC(i) __m512i a##i = _mm512_setzero_si512();
+/* in asm, so that GCC keeps each accumulator in one register (through the intrinsic it copied every one
+ * around each iteration) and the pair comes as an embedded broadcast */
+#define W_DP(i) if (MT > i) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(a##i) : "v"(wv), "m"(xj[i]));
+#define W_CLOSE(i) if (MT > i) {                                                                     \
+        const __m512i zs = _mm512_set1_epi32(xs16[i * ngroups + gi]);                                 \
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(a##i, _mm512_mullo_epi32(z, zs)));     \
+        float *yr = acc + i * PANEL;                                                                 \
+        _mm512_store_ps(yr, _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(sx16[i * ngroups + gi])), d, \
+                                            _mm512_load_ps(yr))); }
+#define W_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
+static inline AVX512 __attribute__((always_inline)) void tile_i4w(const int MT, const int32_t *xt, long K4,
+                                                                const float *sx16, const int32_t *xs16,
+                                                                const uint8_t *w, const uint16_t *sc,
+                                                                const uint8_t *zp, long G, long ngroups,
+                                                                float *y, long N, long nvalid) {
+    float acc[16 * PANEL] __attribute__((aligned(64))) = {0};
+    const __m512i mask16 = _mm512_set1_epi16(0x0F);
+    const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    for (long gi = 0; gi < ngroups; gi++) {
+        W_ROWS(W_ACC)
+        const long k1 = (gi + 1) * G < K4 ? (gi + 1) * G : K4;
+        for (long k = gi * G; k < k1; k += 2) {
+            if ((k & 7) == 0) PREFETCH_Q(w + k * (PANEL / 2));
+            const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + k * (PANEL / 2))));
+            const __m512i wv = _mm512_and_si512(_mm512_srlv_epi16(_mm512_cvtepu8_epi16(b), shift), mask16);
+            const int32_t *xj = xt + (k >> 1) * MT;
+            W_ROWS(W_DP)
+        }
+        __m256 s0, s1;
+        __m256i z0, z1;
+        group_params(sc + gi * PANEL, zp + gi * PANEL, &s0, &s1, &z0, &z1);
+        const __m512 s = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(s0)),
+                                                               _mm256_castps_pd(s1), 1));
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(z0), z1, 1);
+        W_ROWS(W_CLOSE)
+    }
+    store_acc(acc, MT, y, N, nvalid);
+}
+
+/* Rows of tile t when M rows are split into ceil(M / 16) tiles of nearly equal size (tile_i4w's) */
+static inline long tile_rows16(long M, long t) {
+    long n = (M + 15) / 16, base = M / n, extra = M % n;
+    return base + (t < extra ? 1 : 0);
+}
+
+/* fn(MT, args...) with MT a compile-time constant from 3 to 16 (tile_i4w's tiles) */
+#define SWITCH_ROWS16(mt, fn, ...) switch (mt) {                                                     \
+        case 16: fn(16, __VA_ARGS__); break; case 15: fn(15, __VA_ARGS__); break;                    \
+        case 14: fn(14, __VA_ARGS__); break; case 13: fn(13, __VA_ARGS__); break;                    \
+        case 12: fn(12, __VA_ARGS__); break; case 11: fn(11, __VA_ARGS__); break;                    \
+        case 10: fn(10, __VA_ARGS__); break; case 9: fn(9, __VA_ARGS__); break;                      \
+        case 8: fn(8, __VA_ARGS__); break; case 7: fn(7, __VA_ARGS__); break;                        \
+        case 6: fn(6, __VA_ARGS__); break; case 5: fn(5, __VA_ARGS__); break;                        \
+        case 4: fn(4, __VA_ARGS__); break; default: fn(3, __VA_ARGS__); break; }
+
+static AVX512 void panel_i4z(long M, const int32_t *xq, long ldq, const int32_t *xt, const float *sx16,
+                             const int32_t *xs16, const uint8_t *w, const uint16_t *sc, const uint8_t *zp, long K4,
+                             long G, long ngroups, float *y, long N, long nvalid) {
     if (M <= 2) {
         if (M == 2) tile_i4z_small(2, xq, ldq, sx16, xs16, w, sc, zp, K4, G, ngroups, y, N, nvalid);
         else tile_i4z_small(1, xq, ldq, sx16, xs16, w, sc, zp, K4, G, ngroups, y, N, nvalid);
         return;
     }
-    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
-        const int32_t *xm = xq + m0 * ldq;
-        const float *sm = sx16 + m0 * ngroups;
-        const int32_t *xsm = xs16 + m0 * ngroups;
-        float *ym = y + m0 * N;
-        SWITCH_ROWS(tile_rows(M, t), tile_i4z, xm, ldq, sm, xsm, w, sc, zp, K4, G, ngroups, ym, N, nvalid)
-    }
+    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows16(M, t++))
+        SWITCH_ROWS16(tile_rows16(M, t), tile_i4w, xt + m0 * (K4 / 2), K4, sx16 + m0 * ngroups, xs16 + m0 * ngroups,
+                      w, sc, zp, G, ngroups, y + m0 * N, N, nvalid)
 }
 
 static void panel_i4q(long M, const int16_t *x16, const float *sx16, const int32_t *xs16, const uint8_t *w,
@@ -418,27 +453,37 @@ void qb_gemm_i4(const float *x, const uint8_t *wp, const uint16_t *scales, const
     float *sx16 = (float *)malloc(sizeof(float) * M * ngroups + 16);
     int32_t *xs16 = (int32_t *)malloc(sizeof(int32_t) * M * ngroups + 16);
     long ldq = K4 * 4;  /* int32 per row of xq: 16 per 4 k */
-    int32_t *xq = wide ? (int32_t *)malloc(sizeof(int32_t) * M * ldq + 64) : NULL;
+    int32_t *xq = wide && M <= 2 ? (int32_t *)malloc(sizeof(int32_t) * M * ldq + 64) : NULL;  /* tile_i4z_small's */
+    int32_t *xt = wide && M > 2 ? (int32_t *)malloc(sizeof(int32_t) * M * (K4 / 2) + 64) : NULL;  /* tile_i4w's */
     for (long m = 0; m < M; m++) {
         for (long gi = 0; gi < ngroups; gi++) {
             long k0 = gi * G, k1 = (gi + 1) * G < K ? (gi + 1) * G : K;
             group_to_i16(x + m * K + k0, k1 - k0, x16 + m * K4 + k0, sx16 + m * ngroups + gi,
                          xs16 + m * ngroups + gi);
         }
-        if (wide) {
+        if (xq) {
             const int32_t *pairs = (const int32_t *)(x16 + m * K4);  /* pair j = (x[2j], x[2j+1]) */
             for (long j = 0; j < K4 / 2; j++)
                 for (int c = 0; c < 8; c++) xq[m * ldq + (j >> 1) * 16 + (j & 1) * 8 + c] = pairs[j];
         }
     }
+    if (xt)  /* each tile's pairs, row by row: pair j of the tile's row i at j * mt + i */
+        for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows16(M, t++)) {
+            const long mt = tile_rows16(M, t);
+            for (long i = 0; i < mt; i++) {
+                const int32_t *pairs = (const int32_t *)(x16 + (m0 + i) * K4);
+                for (long j = 0; j < K4 / 2; j++) xt[m0 * (K4 / 2) + j * mt + i] = pairs[j];
+            }
+        }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long p = 0; p < npanels; p++) {
         i4_panel pn = i4_panel_at(wp, scales, zeros, p, K4, ngroups, N);
-        if (wide) panel_i4z(M, xq, ldq, sx16, xs16, pn.w, pn.sc, pn.zp, K4, G, ngroups, y + pn.n0, N, pn.nvalid);
+        if (wide) panel_i4z(M, xq, ldq, xt, sx16, xs16, pn.w, pn.sc, pn.zp, K4, G, ngroups, y + pn.n0, N, pn.nvalid);
         else panel_i4q(M, x16, sx16, xs16, pn.w, pn.sc, pn.zp, K4, G, ngroups, y + pn.n0, N, pn.nvalid);
     }
     free(x16);
     free(sx16);
     free(xs16);
     free(xq);
+    free(xt);
 }
