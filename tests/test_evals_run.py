@@ -71,6 +71,10 @@ def test_the_shipped_suites_load():
     grid, needle = load_suite("evals/evict.yaml").tasks["needle"], load_suite("evals/evict-needle.yaml").tasks["needle"]
     assert grid.lengths == [2048, 4096, 8192, 16384]
     assert (needle.lengths, needle.depths, needle.samples) == (grid.lengths, grid.depths, 1)  # its needle, one sample
+    kld = load_suite("evals/evict-kld.yaml")  # evict-4k.yaml's KLD alone, under its seed and batch
+    four = load_suite("evals/evict-4k.yaml")
+    assert list(kld.tasks) == ["kld"] and kld.tasks["kld"] == four.tasks["kld"]
+    assert (kld.seed, kld.batch_size) == (four.seed, four.batch_size)
     from qbench.evals.stats import mcnemar_mde
     assert mcnemar_mde(q.tasks["gsm8k_cot"].limit, int(0.2 * q.tasks["gsm8k_cot"].limit))["difference"] <= 0.08
 
