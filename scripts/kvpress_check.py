@@ -3,7 +3,7 @@ prompts and the same budget: per-layer, per-KV-head keep-sets at the end of the 
 
 kvpress pins transformers < 5.3, so it cannot share qbench's environment. The check runs in three steps:
 
-    .venv/bin/python scripts/kvpress_check.py qbench MODEL_FOLDER OUT.json   # qbench: prompts, keep-sets, answers
+    .venv/bin/python scripts/kvpress_check.py qbench MODEL_FOLDER OUT.json [LENGTHS]  # qbench: prompts, keep-sets, answers
     python3 -m venv kvp && kvp/bin/pip install torch==2.13.0 kvpress==0.5.5
     kvp/bin/python scripts/kvpress_check.py kvpress OUT.json                 # kvpress: the same, added to OUT.json
     .venv/bin/python scripts/kvpress_check.py compare OUT.json               # the table (markdown)
@@ -70,10 +70,9 @@ def run_qbench(folder: str, out: str, lengths=(1024, 2048), depths=(10, 50, 90),
             seen = {}
             keep_set = eng.evictor.keep_set
 
-            def spy(seq, at_prefill_end, keep_set=keep_set, seen=seen):
-                k = keep_set(seq, at_prefill_end)
-                if at_prefill_end:
-                    seen["keep"] = k.tolist()
+            def spy(seq, keep_set=keep_set, seen=seen):
+                k = keep_set(seq)
+                seen.setdefault("keep", k.tolist())  # the first eviction is the one at the end of the prefill
                 return k
 
             eng.evictor.keep_set = spy
@@ -160,9 +159,10 @@ if __name__ == "__main__":
     if len(sys.argv) < 3 or sys.argv[1] not in ("qbench", "kvpress", "compare"):
         sys.exit(__doc__)
     if sys.argv[1] == "qbench":
-        if len(sys.argv) != 4:
-            sys.exit("usage: scripts/kvpress_check.py qbench MODEL_FOLDER OUT.json")
-        run_qbench(sys.argv[2], sys.argv[3])
+        if len(sys.argv) not in (4, 5):
+            sys.exit("usage: scripts/kvpress_check.py qbench MODEL_FOLDER OUT.json [LENGTHS, e.g. 2048,4096]")
+        lengths = tuple(int(n) for n in sys.argv[4].split(",")) if len(sys.argv) == 5 else (1024, 2048)
+        run_qbench(sys.argv[2], sys.argv[3], lengths)
     elif sys.argv[1] == "kvpress":
         run_kvpress(sys.argv[2])
     else:

@@ -432,3 +432,27 @@ def test_kld_and_perplexity_under_eviction_against_a_baseline_without(smollm2, t
     assert stream["kld"]["score"] > 0.01 and stream["kld"]["kld"]["mean"] > 5 * stream["kld"]["kld"]["se"]
     assert "skipped" in stream["perplexity"]["lm_eval_rolling"]
     assert stream["perplexity"]["vs_baseline"]["ppl_ratio"] > 1.0
+
+
+def test_the_kvpress_cross_check_runs_its_qbench_side(tmp_path, smollm2):
+    """scripts/kvpress_check.py's qbench side (kvpress itself needs its own virtualenv): the keep-set it records
+    is the one the prefill's eviction kept, for every layer and KV head, and the answer is scored."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "scripts" / "kvpress_check.py"
+    spec = importlib.util.spec_from_file_location("kvpress_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "check.json"
+    mod.run_qbench(str(smollm2), str(out), lengths=(256,), depths=(50,), samples=1, new=2)
+    (item,) = json.loads(out.read_text())["items"]
+    n = len(item["ids"])
+    for policy in mod.POLICIES:
+        keep = item["qbench"][policy]["keep"]  # (layers, kv heads, kept)
+        assert len(keep) == 30 and all(len(h) == 3 for h in keep)
+        assert all(len(k) == int(n * (1 - mod.RATIO)) and k == sorted(set(k)) for h in keep for k in h)
+        assert item["qbench"][policy]["score"] in (0.0, 1.0)
+    streaming = item["qbench"]["streaming"]["keep"][0][0]
+    assert streaming[:4] == [0, 1, 2, 3] and streaming[-1] == n - 1  # sinks and the most recent token
