@@ -72,7 +72,8 @@ def run_qbench(folder: str, out: str, lengths=(1024, 2048), depths=(10, 50, 90),
 
             def spy(seq, keep_set=keep_set, seen=seen):
                 k = keep_set(seq)
-                seen.setdefault("keep", k.tolist())  # the first eviction is the one at the end of the prefill
+                if "keep" not in seen:  # the first eviction is the one at the end of the prefill
+                    seen["keep"] = k.tolist()
                 return k
 
             eng.evictor.keep_set = spy

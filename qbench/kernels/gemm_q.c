@@ -358,11 +358,8 @@ static inline AVX512 __attribute__((always_inline)) void tile_i4w(const int MT, 
     store_acc(acc, MT, y, N, nvalid);
 }
 
-/* Rows of tile t when M rows are split into ceil(M / 16) tiles of nearly equal size (tile_i4w's) */
-static inline long tile_rows16(long M, long t) {
-    long n = (M + 15) / 16, base = M / n, extra = M % n;
-    return base + (t < extra ? 1 : 0);
-}
+/* tile t's rows for tile_i4w's tiles of at most 16 */
+static inline long tile_rows16(long M, long t) { return split_rows(M, t, 16); }
 
 /* fn(MT, args...) with MT a compile-time constant from 3 to 16 (tile_i4w's tiles) */
 #define SWITCH_ROWS16(mt, fn, ...) switch (mt) {                                                     \

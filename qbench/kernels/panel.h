@@ -72,12 +72,16 @@ static inline i4_panel i4_panel_at(const uint8_t *wp, const uint16_t *scales, co
     return r;
 }
 
-/* Rows of tile t when M rows are split into ceil(M / 6) tiles of nearly equal size: a batch of 8
- * runs as 4 + 4 rather than 6 + 2, so no tile pays a full unpack or weight pass for two rows. */
-static inline long tile_rows(long M, long t) {
-    long n = (M + 5) / 6, base = M / n, extra = M % n;
+/* Rows of tile t when M rows are split into ceil(M / cap) tiles of nearly equal size: with tiles of at
+ * most 6, a batch of 8 runs as 4 + 4 rather than 6 + 2, so no tile pays a full unpack or weight pass for
+ * two rows. */
+static inline long split_rows(long M, long t, long cap) {
+    long n = (M + cap - 1) / cap, base = M / n, extra = M % n;
     return base + (t < extra ? 1 : 0);
 }
+
+/* tile t's rows for the six-row tiles */
+static inline long tile_rows(long M, long t) { return split_rows(M, t, 6); }
 
 /* Weights stream from memory once per decode step; the hardware prefetcher alone leaves a small
  * call (tens of microseconds per projection) waiting on memory. Prefetching this many bytes ahead
