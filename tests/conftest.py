@@ -132,6 +132,7 @@ INT_VNNI, INT_AVX2 = "native int8/int4 GEMM, AVX-512 VNNI", "native int8/int4 GE
 W4A8 = "native INT4 x INT8-activation GEMM (W4A8), AVX2"
 W8A8 = "native INT8 x INT8-activation GEMM (W8A8), AVX2"
 A8_VNNI = "native INT8-activation GEMMs (W4A8, W8A8), AVX-512 VNNI (vpdpbusd)"
+A8_AMX = "native INT8-activation GEMMs (W4A8, W8A8), AMX tiles (tdpbusd, tdpbsud)"
 FP8W = "native FP8 e4m3 weight GEMM (W8A16), AVX2 on every CPU"
 DEQUANT = "native int8/int4/fp8 dequantize for prefill-sized rows (then oneDNN)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
@@ -145,15 +146,17 @@ _current_test = [""]
 
 
 def _counted(name: str) -> bool:
-    return name.startswith("qb_") and name not in ("qb_isa", "qb_a8_wide", "qb_set_isa", "qb_decode_scratch")
+    return name.startswith("qb_") and name not in ("qb_isa", "qb_a8_wide", "qb_set_isa", "qb_decode_scratch",
+                                                        "qb_a8_amx", "qb_set_amx", "qb_a8_route")
 
 
-def _path_of(name: str, dll) -> str:
+def _path_of(name: str, dll, args) -> str:
     """The path a counted call takes; the integer GEMMs' ISA is read at call time (tests switch it)."""
     if name in _INT_GEMMS:
         return INT_VNNI if dll.qb_isa() == 512 else INT_AVX2
-    if name in ("qb_gemm_i4a8", "qb_gemm_i8a8"):
-        return A8_VNNI if dll.qb_a8_wide() else W4A8 if name == "qb_gemm_i4a8" else W8A8
+    if name in ("qb_gemm_i4a8", "qb_gemm_i8a8"):  # the route by rows (and W4A8's group size), as the library takes it
+        route = dll.qb_a8_route(args[5], args[8]) if name == "qb_gemm_i4a8" else dll.qb_a8_route(args[4], 0)
+        return (W4A8 if name == "qb_gemm_i4a8" else W8A8, A8_VNNI, A8_AMX)[route]
     if name == "qb_gemm_f8":
         return FP8W
     if name == "qb_attention_kv":
@@ -182,7 +185,7 @@ class _CountingLibrary:
             return fn
 
         def call(*args):
-            _record(_path_of(name, self._dll))
+            _record(_path_of(name, self._dll, args))
             return fn(*args)
         return call
 
@@ -213,7 +216,7 @@ def _missing_paths() -> list[str]:
     if lib is None:
         return []
     want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, GPTQ] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else []) \
-        + ([A8_VNNI] if lib._dll.qb_a8_wide() else [])
+        + ([A8_VNNI] if lib._dll.qb_a8_wide() else []) + ([A8_AMX] if lib._dll.qb_a8_amx() else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 
 

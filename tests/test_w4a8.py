@@ -3,6 +3,9 @@ the native kernel's activation codes equal torch's, the recipe and the artifact 
 runs it."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,10 +69,11 @@ def test_every_path_matches_the_integer_definition(impl, scheme, N, K, M):
 
 @pytest.mark.parametrize("scheme", ["g32-sym", "g64-asym", "g128-sym", "g128-asym", "int8"])  # int8: W8A8
 @pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536), (24, 77), (16, 130), (33, 4864)])
-def test_the_avx512_vnni_tiles_equal_the_avx2_tiles_bit_for_bit(scheme, N, K):
-    """The int8-activation GEMMs have AVX-512 VNNI tiles (vpdpbusd, up to 8 rows) beside the AVX2 ones (4 or 6
-    rows): the integer sums are exact and each output is closed with the same float operations, so every row
-    count gives the same bits on both."""
+def test_the_avx512_vnni_and_amx_tiles_equal_the_avx2_tiles_bit_for_bit(scheme, N, K):
+    """The int8-activation GEMMs have AVX-512 VNNI tiles (vpdpbusd, up to 8 rows) and AMX tiles (16 x 64-byte
+    tiles, four 16-row C tiles a pass) beside the AVX2 ones (4 or 6 rows): the integer sums are exact and each
+    output is closed with the same float operations, so every row count gives the same bits on all three.
+    (AMX takes W4A8 only where a group is whole 64-k tiles: g32 stays on VNNI, which qb_a8_route says.)"""
     if not build.available() or not build.load().qb_a8_wide():
         pytest.skip("needs a CPU with AVX-512 VNNI and VBMI")
     if scheme == "int8":
@@ -78,18 +82,27 @@ def test_the_avx512_vnni_tiles_equal_the_avx2_tiles_bit_for_bit(scheme, N, K):
         q.activations = "int8"
     else:
         q, g = _w4a8(N, K, int(scheme[1:].split("-")[0]), scheme.endswith("-sym"), N + K)
+    G = 0 if scheme == "int8" else int(scheme[1:].split("-")[0])
     lin = make_qlinear(q, None, "native")
-    x = torch.randn(40, K, generator=g) * torch.linspace(0.1, 8, K)
+    x = torch.randn(70, K, generator=g) * torch.linspace(0.1, 8, K)
     lib = build.load()
+    amx = bool(lib.qb_a8_amx())
+    paths = [(256, 0, 0), (512, 0, 1)] + ([(512, 1, 2)] if amx else [])  # (isa, amx on, the route it must take)
     try:
-        for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
+        for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40, 64, 65, 70):
             got = {}
-            for isa in (256, 512):
+            for isa, on, route in paths:
                 lib.qb_set_isa(isa)
-                got[isa] = lin._matmul(x[:M].contiguous(), False)
-            assert torch.equal(got[256], got[512]), M
+                lib.qb_set_amx(on)
+                if route == 2 and (G % 64 or M < 16):  # AMX from 16 rows, on whole 64-k tiles per group
+                    route = 1
+                assert lib.qb_a8_route(M, G) == route, (M, isa, on)
+                got[isa, on] = lin._matmul(x[:M].contiguous(), False)
+            for key in got:
+                assert torch.equal(got[key], got[256, 0]), (M, key)
     finally:
         lib.qb_set_isa(512)
+        lib.qb_set_amx(1)
 
 
 def test_the_int16_sums_cannot_overflow_at_the_extremes(isa):
@@ -149,3 +162,22 @@ def test_an_edited_activation_record_is_refused(tiny_models, tmp_path):
     (out / "qbench.json").write_text(json.dumps(m))
     with pytest.raises(QBenchError, match="record different per-tensor schemes"):
         load_artifact(out)
+
+
+@pytest.mark.parametrize("name", ["avx2", "avx512", "amx", "sse"])
+def test_qbench_isa_forces_a_path_or_says_why_not(name):
+    """QBENCH_ISA overrides the run-time dispatch; a path the CPU lacks, or an unknown name, is one clear error."""
+    if not build.available():
+        pytest.skip("native kernels not built here")
+    code = ("from qbench.kernels import build\nfrom qbench.errors import QBenchError\n"
+            "try:\n    print(build.kernel_path())\nexcept QBenchError as e:\n    print('error:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, QBENCH_ISA=name)).stdout.strip()
+    lib = build.load()
+    has = {"avx2": True, "avx512": lib.qb_isa() == 512, "amx": bool(lib.qb_a8_amx()), "sse": False}[name]
+    if has:
+        assert out == {"avx2": "avx2", "avx512": "avx512", "amx": "avx512+amx"}[name]
+    elif name == "sse":
+        assert out.startswith("error: QBENCH_ISA=sse: unknown; use one of auto, avx2, avx512, amx")
+    else:
+        assert out.startswith(f"error: QBENCH_ISA={name}: this CPU") and "unset QBENCH_ISA" in out

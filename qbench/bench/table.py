@@ -23,6 +23,7 @@ def render_table(report: dict) -> str:
     m = report["machine"]
     if m.get("cpu_flags") is not None:
         head += f"\ncpu: {m['cpu']} ({' '.join(m['cpu_flags'])})"
+        head += f"; kernels: {m['kernels']}" if m.get("kernels") else ""
     cols = ["backend", "batch", "prefill tok/s", "decode tok/s", "step p50 ms", "step ms by quarter",
             "weights MiB", "bits/weight", "KV B/token", "KV MiB used/reserved", "read/step MiB", "roofline",
             "peak RSS MiB", "greedy=hf"]

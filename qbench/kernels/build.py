@@ -19,8 +19,8 @@ from pathlib import Path
 from qbench.errors import QBenchError
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
-HEADERS = ("panel.h", "vecmath.h", "attn_kv256.h", "attn_kv512.h", "attn_kv_head.h")  # part of the cache key
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "gemm_a8_amx.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
+HEADERS = ("panel.h", "a8_quad.h", "vecmath.h", "attn_kv256.h", "attn_kv512.h", "attn_kv_head.h")  # part of the cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
@@ -51,20 +51,29 @@ def machine() -> dict:
     name, flags = cpu_info()
     shown = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_vbmi", "avx_vnni", "avx512_bf16", "amx_int8")
     return {"cpu": name, "cpu_flags": [f for f in shown if f in flags], "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "kernels": kernel_path()}
+
+
+def kernel_path() -> str:
+    """The native kernels' dispatch as it stands: "avx512+amx" (int8-activation GEMMs on AMX tiles), "avx512",
+    "avx2", or "torch" where they are off or not built."""
+    dll = load()
+    if dll is None:
+        return "torch"
+    return "avx512+amx" if dll.qb_a8_amx() else "avx512" if dll.qb_isa() == 512 else "avx2"
 
 
 def disabled() -> bool:
     return os.environ.get("QBENCH_NO_KERNELS", "") not in ("", "0")
 
 
-ISAS = {"avx2": 256, "avx512": 512}
+ISAS = {"avx2": 256, "avx512": 512, "amx": 1024}
 
 
 def forced_isa() -> int | None:
     """``QBENCH_ISA=avx2`` makes the kernels take their AVX2 path on an AVX-512 CPU (the run-time dispatch
-    overridden, as the tests do with qb_set_isa); ``avx512`` asks for the AVX-512 path, which a CPU without it
-    cannot give."""
+    overridden, as the tests do with qb_set_isa); ``avx512`` the AVX-512 path without AMX's tiles (qb_set_amx);
+    ``amx`` asks for AMX, which only a CPU with AMX-INT8 (and a kernel that grants it) can give."""
     name = os.environ.get("QBENCH_ISA", "")
     if name in ("", "auto"):
         return None
@@ -117,6 +126,7 @@ def load() -> ctypes.CDLL | None:
         "qb_dequant_f8": [P] * 3 + [L] * 2 + [I],
         "qb_dequant_i4": [P] * 4 + [L] * 3 + [I],
         "qb_set_isa": [I],
+        "qb_set_amx": [I],
         # W1, Hinv1; N, B, c0, c1; gidx, scales, zeros; ngroups; bits; codes, err; threads
         "qb_gptq_block": [P, P, L, L, L, L, P, P, P, L, I, P, P, I],
         # layers (qb_layer *), n, step (qb_step *), x, scratch, stages, threads
@@ -127,13 +137,17 @@ def load() -> ctypes.CDLL | None:
         fn.restype, fn.argtypes = None, args
     dll.qb_isa.restype, dll.qb_isa.argtypes = ctypes.c_int, []
     dll.qb_a8_wide.restype, dll.qb_a8_wide.argtypes = ctypes.c_int, []
+    dll.qb_a8_amx.restype, dll.qb_a8_amx.argtypes = ctypes.c_int, []
+    dll.qb_a8_route.restype, dll.qb_a8_route.argtypes = ctypes.c_int, [L, L]
     dll.qb_decode_scratch.restype, dll.qb_decode_scratch.argtypes = ctypes.c_long, [P, L]
     isa = forced_isa()
     if isa is not None:
-        if isa > dll.qb_isa():
-            raise QBenchError(f"QBENCH_ISA={os.environ['QBENCH_ISA']}: this CPU ({cpu_info()[0]}) has no AVX-512 "
-                              f"VNNI path; unset QBENCH_ISA or use avx2")
-        dll.qb_set_isa(isa)
+        if isa > dll.qb_isa() and not (isa == 1024 and dll.qb_a8_amx()):
+            raise QBenchError(f"QBENCH_ISA={os.environ['QBENCH_ISA']}: this CPU ({cpu_info()[0]}) has no "
+                              f"{'AMX-INT8' if isa == 1024 else 'AVX-512 VNNI'} path; unset QBENCH_ISA or use "
+                              f"{'avx512 or ' if dll.qb_isa() == 512 else ''}avx2")
+        dll.qb_set_isa(min(isa, 512))
+        dll.qb_set_amx(int(isa == 1024))
     return dll
 
 

@@ -29,6 +29,22 @@ void a8z_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const floa
                  long N, int nthreads);
 void a8z_gemm_i4(const int8_t *x8, const float *sx8, const int32_t *xs, const uint8_t *wp, const uint16_t *scales,
                  const uint8_t *zeros, float *y, long M, long K4, long N, long G, long ngroups, int nthreads);
+/* The AMX tiles (gemm_a8_amx.c), taken where qb_a8_route says so. */
+int qb_a8_amx(void);
+void ax_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const float *scale, float *y, long M, long K,
+                long N, int nthreads);
+void ax_gemm_i4(const int8_t *x8, const float *sx8, const int32_t *xs, const uint8_t *wp, const uint16_t *scales,
+                const uint8_t *zeros, float *y, long M, long K4, long N, long G, long ngroups, int nthreads);
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 16  /* below, the VNNI tiles are as fast or faster (AMX pads each tile to 16 rows) */
+#endif
+
+/* Which tiles an int8-activation GEMM of M rows takes: 2 AMX, 1 AVX-512 VNNI, 0 AVX2. G: W4A8's group size
+ * (AMX needs whole 64-k tiles per group), 0 for W8A8. The tests read it to say which path ran. */
+int qb_a8_route(long M, long G) {
+    if (!qb_a8_wide()) return 0;
+    return M >= AMX_MIN_ROWS && G % 64 == 0 && qb_a8_amx() ? 2 : 1;
+}
 
 /* Rows of tile t when M rows are split into ceil(M / 4) tiles of nearly equal size. */
 static inline long tile_rows4(long M, long t) {
@@ -168,8 +184,9 @@ void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, con
     int32_t *xs = (int32_t *)malloc(sizeof(int32_t) * M * ngroups + 16);
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)  /* rows are independent */
     for (long m = 0; m < M; m++) row_to_i8(x + m * K, K, K4, G, x8 + m * K4, sx8 + m, xs + m * ngroups);
-    if (qb_a8_wide()) {
-        a8z_gemm_i4(x8, sx8, xs, wp, scales, zeros, y, M, K4, N, G, ngroups, nthreads);
+    int route = qb_a8_route(M, G);
+    if (route) {
+        (route == 2 ? ax_gemm_i4 : a8z_gemm_i4)(x8, sx8, xs, wp, scales, zeros, y, M, K4, N, G, ngroups, nthreads);
     } else {
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (long p = 0; p < npanels; p++) {
@@ -248,7 +265,8 @@ static void row_to_i16(const float *x, long K, long K2, int16_t *q, float *scale
 /* x (M, K) fp32; the weight in qb_gemm_i8's layout with its per-column scales; y (M, N). */
 void qb_gemm_i8a8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
                   int nthreads) {
-    if (qb_a8_wide()) {  /* int8 codes, zero-padded to a multiple of 4 k */
+    int route = qb_a8_route(M, 0);
+    if (route) {  /* int8 codes, zero-padded to a multiple of 4 k */
         long K4 = (K + 3) & ~3L;
         int8_t *x8 = (int8_t *)malloc(M * K4 + 64);
         float *sx = (float *)malloc(sizeof(float) * M + 16);
@@ -257,7 +275,7 @@ void qb_gemm_i8a8(const float *x, const int8_t *wp, const float *scale, float *y
             int32_t sum;  /* one group: unused */
             row_to_i8(x + m * K, K, K4, K4, x8 + m * K4, sx + m, &sum);
         }
-        a8z_gemm_i8(x8, sx, wp, scale, y, M, K, N, nthreads);
+        (route == 2 ? ax_gemm_i8 : a8z_gemm_i8)(x8, sx, wp, scale, y, M, K, N, nthreads);
         free(x8);
         free(sx);
         return;

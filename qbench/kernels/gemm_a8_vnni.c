@@ -12,8 +12,8 @@
 #include <stdlib.h>
 
 #include "panel.h"
+#include "a8_quad.h"
 
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
 #define AZ_ROWS 8  /* rows per tile: a row holds an int32 and (W4A8) an fp32 accumulator */
 int qb_isa(void);
 
@@ -57,22 +57,6 @@ static inline long tile_rows8(long M, long t) {
  * the weight column sums times 128 are taken off once (llama.cpp's and oneDNN's correction term): that sum is
  * one more vpdpbusd per k-quad against bytes of 128, shared by the tile's rows. Panel rows k .. k + 3 (64
  * bytes, row-major) -> lane c = column c's four k; a K that is not a multiple of 4 ends with a masked load. */
-/* k-quad q of an INT8 panel, reordered: lane c = column c's four k (zero past K). */
-static inline VNNI __attribute__((always_inline)) __m512i quad_i8(const int8_t *w, long k, long K) {
-    const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,
-                                         59, 43, 27, 11, 58, 42, 26, 10, 57, 41, 25, 9, 56, 40, 24, 8,
-                                         55, 39, 23, 7, 54, 38, 22, 6, 53, 37, 21, 5, 52, 36, 20, 4,
-                                         51, 35, 19, 3, 50, 34, 18, 2, 49, 33, 17, 1, 48, 32, 16, 0);
-    __m512i b;
-    if (k + 4 <= K) {
-        PREFETCH_Q(w + k * PANEL);
-        b = _mm512_loadu_si512((const void *)(w + k * PANEL));
-    } else {  /* the panel's last rows: the rest of the quad is zero, whatever its activations */
-        b = _mm512_maskz_loadu_epi8((__mmask64)((1ULL << ((K - k) * PANEL)) - 1), w + k * PANEL);
-    }
-    return _mm512_permutexvar_epi8(perm, b);
-}
-
 /* Each tile reorders the panel's quads itself: reordering them once per panel for all its tiles (tried) made
  * no difference at 32 to 1,024 rows, where vpdpbusd's own throughput bounds the kernel. */
 static inline VNNI __attribute__((always_inline)) void tile_i8a8z(const int MT, const uint8_t *xu, long K4,
@@ -126,18 +110,6 @@ VNNI void a8z_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const
  * in its low nibble and column c + 8 in its high one, k = 2j + t) -> lane c < 8: column c's four low nibbles,
  * lane c + 8: the same bytes' high nibbles (a per-lane shift by 4 in the upper half, then a mask). A group is
  * closed as tile_i4a8 closes it: y += (s_w * s_x) * (sum - z * sum_x), the bracket exact in one fnmadd. */
-/* k-quad k / 4 of an INT4 panel, unpacked: lane c = column c's four codes, one byte each. */
-static inline VNNI __attribute__((always_inline)) __m512i quad_i4(const uint8_t *w, long k) {
-    const __m512i perm = _mm512_set_epi8(31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8,
-                                         23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0,
-                                         31, 30, 15, 14, 29, 28, 13, 12, 27, 26, 11, 10, 25, 24, 9, 8,
-                                         23, 22, 7, 6, 21, 20, 5, 4, 19, 18, 3, 2, 17, 16, 1, 0);
-    const __m512i shift = _mm512_set_epi64(4 * 0x0001000100010001LL, 4 * 0x0001000100010001LL,
-                                           4 * 0x0001000100010001LL, 4 * 0x0001000100010001LL, 0, 0, 0, 0);
-    __m512i b = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(w + k * (PANEL / 2))));
-    return _mm512_and_si512(_mm512_srlv_epi16(_mm512_permutexvar_epi8(perm, b), shift), _mm512_set1_epi8(0x0F));
-}
-
 static inline VNNI __attribute__((always_inline)) void tile_i4a8z(const int MT, const int8_t *x8, long K4,
                                                                 const float *sx8, const int32_t *xs,
                                                                 const uint8_t *w, const uint16_t *sc,
