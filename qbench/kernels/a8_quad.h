@@ -8,6 +8,16 @@
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
 
+/* Rows of x whose codes stay in the L2 cache while every panel of the weight passes over them: whole units
+ * of a tile's rows, row_bytes each, within budget bytes (at least one unit, at most M). Without blocks, a
+ * 1,024-row prefill streamed all of its codes (5 MB for a 4,864-wide down projection) from beyond L2 once
+ * per 16-column panel. A row's result does not depend on the block or tile it falls in (exact integer sums,
+ * each row closed alone). */
+static inline long block_rows(long M, long row_bytes, long budget, long unit) {
+    long r = budget / row_bytes / unit * unit;
+    return r < unit ? unit : r > M ? M : r;
+}
+
 /* k-quad q of an INT8 panel, reordered: lane c = column c's four k (zero past K). */
 static inline VNNI __attribute__((always_inline)) __m512i quad_i8(const int8_t *w, long k, long K) {
     const __m512i perm = _mm512_set_epi8(63, 47, 31, 15, 62, 46, 30, 14, 61, 45, 29, 13, 60, 44, 28, 12,

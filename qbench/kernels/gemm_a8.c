@@ -46,11 +46,7 @@ int qb_a8_route(long M, long G) {
     return M >= AMX_MIN_ROWS && G % 64 == 0 && qb_a8_amx() ? 2 : 1;
 }
 
-/* Rows of tile t when M rows are split into ceil(M / 4) tiles of nearly equal size. */
-static inline long tile_rows4(long M, long t) {
-    long n = (M + A8_ROWS - 1) / A8_ROWS, base = M / n, extra = M % n;
-    return base + (t < extra ? 1 : 0);
-}
+static inline long tile_rows4(long M, long t) { return split_rows(M, t, A8_ROWS); }  /* ceil(M / 4) tiles */
 
 /* Two k-pairs (k .. k + 3) of a panel -> per 32-bit lane c: column c's four codes (lo) and column c + 8's (hi). */
 static inline __attribute__((always_inline)) void unpack_quad(const uint8_t *w, __m256i shuf, __m256i *lo,

@@ -83,12 +83,6 @@ static AMX void tiles_on(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* Rows of a block: whole passes, whose activation tiles fit AX_BLOCK_BYTES (at least one pass). */
-static inline long ax_block_rows(long M16, long K64) {
-    long r = AX_BLOCK_BYTES / K64 / AX_ROWS * AX_ROWS;
-    return r < AX_ROWS ? AX_ROWS : r > M16 ? M16 : r;
-}
-
 /* Activation codes (M rows of K4 bytes, K real) -> (M16, K64) tiles' rows, zero-padded; flip = 0x80 gives
  * the unsigned u = x8 + 128 of the W8A8 tiles, 0 keeps the signed codes of the W4A8 ones. */
 static uint8_t *to_tiles(const int8_t *x8, long M, long K, long K4, long M16, long K64, uint8_t flip,
@@ -140,7 +134,7 @@ AMX void ax_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const f
                     long K, long N, int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL, K4 = (K + 3) & ~3L, K64 = (K + 63) & ~63L, M16 = (M + 15) & ~15L;
     uint8_t *xa = to_tiles(x8, M, K, K4, M16, K64, 0x80, nthreads);
-    long R = ax_block_rows(M16, K64);
+    long R = block_rows(M16, K64, AX_BLOCK_BYTES, AX_ROWS);  /* whole passes */
     #pragma omp parallel num_threads(nthreads)
     {
         tiles_on();
@@ -189,7 +183,7 @@ AMX void ax_gemm_i4(const int8_t *x8, const float *sx8, const int32_t *xs, const
                     long ngroups, int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL, K64 = (K4 + 63) & ~63L, M16 = (M + 15) & ~15L, gt = G / 64;
     uint8_t *xa = to_tiles(x8, M, K4, K4, M16, K64, 0, nthreads);
-    long R = ax_block_rows(M16, K64);
+    long R = block_rows(M16, K64, AX_BLOCK_BYTES, AX_ROWS);  /* whole passes */
     #pragma omp parallel num_threads(nthreads)
     {
         tiles_on();

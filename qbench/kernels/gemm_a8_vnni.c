@@ -29,22 +29,10 @@ int qb_a8_wide(void) {
     return a8_wide && qb_isa() == 512;
 }
 
-/* Rows of x whose codes stay in the L2 cache while every panel of the weight passes over them. Without
- * blocks, a 1,024-row prefill streamed all of its codes (5 MB for a 4,864-wide down projection) from beyond
- * L2 once per 16-column panel. A row's result does not depend on the block or tile it falls in (exact integer
- * sums, each row closed alone). */
 #ifndef A8_BLOCK_BYTES
-#define A8_BLOCK_BYTES (256 * 1024)
+#define A8_BLOCK_BYTES (256 * 1024)  /* a block's codes (block_rows, a8_quad.h) */
 #endif
-static inline long block_rows(long M, long K4) {
-    long r = A8_BLOCK_BYTES / K4 / AZ_ROWS * AZ_ROWS;
-    return r < AZ_ROWS ? AZ_ROWS : r > M ? M : r;
-}
-
-static inline long tile_rows8(long M, long t) {
-    long n = (M + AZ_ROWS - 1) / AZ_ROWS, base = M / n, extra = M % n;
-    return base + (t < extra ? 1 : 0);
-}
+static inline long tile_rows8(long M, long t) { return split_rows(M, t, AZ_ROWS); }
 
 /* SWITCH_ROWS (panel.h) widened to 8 rows. */
 #define SWITCH_ROWS8(mt, fn, ...) switch (mt) {                                                        \
@@ -89,7 +77,7 @@ VNNI void a8z_gemm_i8(const int8_t *x8, const float *sx, const int8_t *wp, const
     uint8_t *xu = (uint8_t *)malloc(M * K4 + 64);
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 16)
     for (long i = 0; i < M * K4; i++) xu[i] = (uint8_t)x8[i] ^ 0x80;  /* x8 + 128 as an unsigned byte */
-    for (long r0 = 0, R = block_rows(M, K4); r0 < M; r0 += R) {
+    for (long r0 = 0, R = block_rows(M, K4, A8_BLOCK_BYTES, AZ_ROWS); r0 < M; r0 += R) {
         long mb = M - r0 < R ? M - r0 : R;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (long p = 0; p < npanels; p++) {
@@ -162,7 +150,7 @@ VNNI void a8z_gemm_i4(const int8_t *x8, const float *sx8, const int32_t *xs, con
                       const uint16_t *scales, const uint8_t *zeros, float *y, long M, long K4, long N, long G,
                       long ngroups, int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
-    for (long r0 = 0, R = block_rows(M, K4); r0 < M; r0 += R) {
+    for (long r0 = 0, R = block_rows(M, K4, A8_BLOCK_BYTES, AZ_ROWS); r0 < M; r0 += R) {
         long mb = M - r0 < R ? M - r0 : R;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (long p = 0; p < npanels; p++) {
