@@ -6,8 +6,8 @@ of linear at a time.
     QBENCH_NO_KERNELS=1 .venv/bin/python scripts/w8a8_breakdown.py MODEL ARTIFACT [--windows 8]
 
 MODEL is the fp source (a zoo name or a folder), ARTIFACT a quantized folder with `activations: int8`. KLD is
-the full-vocabulary KL divergence against the fp model on the second half of seeded WikiText-2 *test*
-windows of 512 tokens (seed 1), mean +- SE over tokens. The switch flips each linear's `activations`
+the full-vocabulary KL divergence against the fp model (`tune.reference.Reference`, llama.cpp's scoring of
+a window's second half) on seeded WikiText-2 *test* windows of 512 tokens (seed 1), mean +- SE over tokens. The switch flips each linear's `activations`
 attribute, which the torch path (QBENCH_NO_KERNELS=1) reads on every call; qbench's kernels keep their
 int8 layout, so run it with that variable set (it refuses otherwise). Slow: a few minutes a row on Qwen.
 """
@@ -32,27 +32,19 @@ def main() -> int:
         print("w8a8_breakdown: set QBENCH_NO_KERNELS=1 (the switch acts on the torch path only)", file=sys.stderr)
         return 2
     from qbench.engine.api import load_tokenizer
-    from qbench.layers.attention import AttnMetadata
     from qbench.models.registry import load_model
     from qbench.models.zoo import resolve_model
     from qbench.quant.artifact import load_artifact
     from qbench.quant.calibration import calibration_windows
     from qbench.quant.qlinear import QuantLinear
     from qbench.quant.recipe import Calibration
+    from qbench.tune.reference import Reference
+    from qbench.tune.sensitivity import mean_se
+    from qbench.tune.tune import TEST_TEXT
 
     folder = resolve_model(args.model)
-    tok = load_tokenizer(folder)
-    ids, _ = calibration_windows(tok, Calibration("evals/data/wikitext-2-raw/wiki.test.raw", args.windows, 512, 1))
-
-    def logp(model) -> torch.Tensor:  # (windows * 256, V): the second half of each window
-        out = []
-        for i in range(ids.shape[0]):
-            x = ids[i:i + 1]
-            meta = AttnMetadata(positions=torch.arange(x.shape[1]).expand(1, -1))
-            out.append(torch.log_softmax(model(x, meta)[0, x.shape[1] // 2:].float(), -1))
-        return torch.cat(out)
-
-    base = logp(load_model(folder, torch.float32))
+    ids, _ = calibration_windows(load_tokenizer(folder), Calibration(TEST_TEXT, args.windows, 512, 1))
+    ref = Reference(load_model(folder, torch.float32), ids, keep_inputs=False)
     qm, _ = load_artifact(args.artifact)
     mods = {n: m for n, m in qm.named_modules() if isinstance(m, QuantLinear) and m.activations == "int8"}
     if not mods:
@@ -60,14 +52,13 @@ def main() -> int:
         return 2
     kinds = sorted({n.rsplit(".", 1)[-1] for n in mods})
     print(f"{args.artifact}: {len(mods)} linears with int8 activations ({', '.join(kinds)}); "
-          f"{base.shape[0]} scored tokens")
+          f"{ref.tokens} scored tokens")
     print("| int8 activations off in | KLD mean | SE |\n|---|---|---|")
     for label, off in [("none", ()), ("every linear (weight-only)", tuple(kinds))] + [(k, (k,)) for k in kinds]:
         for n, m in mods.items():
             m.activations = "fp32" if n.rsplit(".", 1)[-1] in off else "int8"
-        lq = logp(qm)
-        kld = (base.exp() * (base - lq)).sum(-1)
-        print(f"| {label} | {kld.mean():.5f} | {kld.std() / len(kld) ** 0.5:.5f} |", flush=True)
+        kld = mean_se(ref.replay(model=qm)["kld"])
+        print(f"| {label} | {kld['mean']:.5f} | {kld['se']:.5f} |", flush=True)
     return 0
 
 
