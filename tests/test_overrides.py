@@ -47,6 +47,8 @@ def test_overrides_resolve_against_the_base_scheme_and_the_last_match_wins(tmp_p
     ("{match: x}", "weights.overrides: must be a list"),
     ("[{match: x, group_size: 96}]", "weights.overrides[0].group_size: 96 is not supported"),
     ("[{match: x, symmetric: maybe}]", "weights.overrides[0].symmetric"),
+    ("[{match: x, activations: int4}]", "weights.overrides[0].activations: 'int4' is not supported"),
+    ("[{match: x, fp: true, activations: fp32}]", "weights.overrides[0]: fp: true keeps"),
 ])
 def test_bad_overrides_name_the_file_and_field(tmp_path, overrides, fragment):
     base = "{bits: 8, group_size: null}" if fragment is None else "{bits: 4, group_size: 64}"
@@ -62,6 +64,17 @@ def test_an_override_on_an_fp8_base_and_an_unfit_activation_scheme_are_refused(t
     fp8 = "name: r\nweights: {bits: 8, group_size: null, type: float, overrides: [{match: x, bits: 4, group_size: 64}]}\n"
     with pytest.raises(RecipeError, match="weights.overrides.0.: the base scheme is FP8"):
         load_recipe(recipe_file(tmp_path, fp8))
+
+
+def test_an_override_sets_its_linears_activations_apart_from_the_base(tmp_path):
+    text = ("name: r\nweights: {bits: 8, group_size: null, activations: int8, overrides: "
+            "[{match: '*.down_proj', activations: fp32}, {match: 'blocks.0.*', bits: 4, group_size: 64}]}\n")
+    ws = load_recipe(recipe_file(tmp_path, text)).weights
+    assert ws.linear_activations("blocks.1.down_proj") == "fp32"
+    assert ws.linear_activations("blocks.1.gate_up") == "int8"
+    # the last match wins whole, against the base: blocks.0.down_proj meets the base's int8 inputs
+    assert ws.linear_activations("blocks.0.down_proj") == "int8"
+    assert ws.linear_scheme("blocks.0.down_proj") == (4, 64, True, "int")
 
 
 def logits(model, ids):
@@ -92,6 +105,31 @@ def test_a_mixed_artifact_records_each_tensors_scheme_and_runs_as_the_reference_
     ids = torch.randint(2, 128, (2, 17), generator=torch.Generator().manual_seed(3))
     fast = logits(model, ids)
     monkeypatch.setenv("QBENCH_QLINEAR", "reference")  # dequantize-then-matmul, the golden path
+    assert (fast - logits(load_artifact(tmp_path / "a")[0], ids)).abs().max() < 1e-3
+
+
+def test_w8a8_with_fp32_inputs_for_down_proj_skips_its_smoothing_and_runs_as_the_reference_path(
+        tiny_models, tmp_path, monkeypatch):
+    folder, _ = tiny_models["llama"]
+    text = ("name: mix\nweights: {bits: 8, group_size: null, activations: int8, "
+            "overrides: [{match: '*.down_proj', activations: fp32}]}\n"
+            "smoothquant: {alpha: 0.5}\ncalibration: {samples: 2, seq_len: 16}\n")
+    import qbench.quant.quantize as qz
+    monkeypatch.setattr(qz, "calibration_windows", lambda tok, cal: (
+        torch.randint(2, 128, (cal.samples, cal.seq_len), generator=torch.Generator().manual_seed(0)), {}))
+    monkeypatch.setattr("qbench.engine.api.load_tokenizer", lambda folder: None)
+    m = run_quantize(str(folder), recipe_file(tmp_path, text), tmp_path / "a", log=lambda s: None)
+    q = m["quantized"]
+    assert "activations" not in q["model.layers.0.mlp.down_proj"]["scheme"]  # fp32, the default, not recorded
+    assert q["model.layers.0.mlp.up_proj"]["scheme"]["activations"] == "int8"
+    assert q["model.layers.1.self_attn.o_proj"]["scheme"]["activations"] == "int8"
+    smoothed = {r["smoothquant"]["smooth"] for r in m["layers"] if "smoothquant" in r}
+    assert smoothed == {"input_norm", "post_norm", "v"}  # not up -> down: down_proj meets fp32 inputs
+    model, _ = load_artifact(tmp_path / "a")
+    assert model.blocks[0].down_proj.activations == "fp32" and model.blocks[0].gate_up.activations == "int8"
+    ids = torch.randint(2, 128, (2, 17), generator=torch.Generator().manual_seed(3))
+    fast = logits(model, ids)
+    monkeypatch.setenv("QBENCH_QLINEAR", "reference")
     assert (fast - logits(load_artifact(tmp_path / "a")[0], ids)).abs().max() < 1e-3
 
 

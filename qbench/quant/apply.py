@@ -167,8 +167,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                 _head_rtn(model, recipe, res)
                 continue
             W = _get(model, path).weight.float()
-            _replace(model, path, rtn(W, *ws.linear_scheme(path)), W, None, res,
-                     ws.activations)
+            _replace(model, path, rtn(W, *ws.linear_scheme(path)), W, None, res, ws.linear_activations(path))
         res.seconds = time.perf_counter() - t0
         return res
     if calib is None:
@@ -203,7 +202,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     clip = clips.get(name[len(prefix):])
                     Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
                     q = rtn(Wc, bits, group, sym, kind)
-                _keep(name, q, W, inputs[name[len(prefix):]], res, ws.activations)
+                _keep(name, q, W, inputs[name[len(prefix):]], res, ws.linear_activations(name))
                 _get(model, name).quantized(q)  # the widened block computes with the dequantized weights
             x = block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             wide.narrow(block)
@@ -259,12 +258,15 @@ def _smoothquant_block(model, block, bi: int, inputs: dict, recipe: Recipe, res:
     for smooth, balance, xname in smoothing.mappings(cfg, shared_v=True):
         if xname not in inputs:
             continue
+        name = f"blocks.{bi}.{balance[0]}"
+        if ws.linear_activations(name) != "int8":
+            continue  # smoothing serves int8 inputs; it would only cost the weights of a linear that meets fp32
         X, x_max = inputs[xname], inputs["max:" + xname]
         W = torch.cat([block.get_submodule(b).weight for b in balance])
         tie = (lambda t: smoothing.tie_groups(t, cfg.num_kv_heads, cfg.head_dim)) if smooth == "v" else None
         rec = {"block": bi, "smooth": smooth, "balance": balance, "alpha": sq.alpha}
         if sq.search:
-            bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{balance[0]}")
+            bits, group, sym, _ = ws.linear_scheme(name)
             _, found = smoothing.search_alpha(X, x_max, W, bits, group, sym, tie=tie)
             rec.update(found)
         s = smoothing.smoothquant_scales(x_max, W, rec["alpha"], tie)

@@ -61,12 +61,14 @@ class Override:
     """Another scheme for the decoder linears whose qbench name matches ``match`` (a glob over names such as
     ``blocks.3.qkv``, ``blocks.*.down_proj`` or ``blocks.0.*`` for a whole block). Fields left out keep the
     base scheme's; ``fp: true`` keeps the matched linears in full precision. The output head has its own
-    field (``lm_head``) and is never matched."""
+    field (``lm_head``) and is never matched. ``activations`` sets the matched linears' inputs apart from the
+    base's (``fp32`` keeps, for example, ``down_proj`` at W8A16 in a W8A8 recipe)."""
     match: str = ""
     bits: int | None = None
     group_size: int | None = None
     symmetric: bool | None = None
     fp: bool = False
+    activations: str | None = None
 
     def validate(self, where: str, section: str) -> None:
         if not isinstance(self.match, str) or not self.match:
@@ -74,9 +76,12 @@ class Override:
                               f"blocks.*.down_proj")
         if not isinstance(self.fp, bool):
             raise RecipeError(f"{where}: {section}.fp: {self.fp!r} must be true or false")
-        if self.fp and (self.bits, self.group_size, self.symmetric) != (None, None, None):
+        if self.fp and (self.bits, self.group_size, self.symmetric, self.activations) != (None,) * 4:
             raise RecipeError(f"{where}: {section}: fp: true keeps the linears in full precision; drop bits, "
-                              f"group_size and symmetric")
+                              f"group_size, symmetric and activations")
+        if self.activations is not None and self.activations not in ACTIVATIONS:
+            raise RecipeError(f"{where}: {section}.activations: {self.activations!r} is not supported (supported: "
+                              f"{', '.join(ACTIVATIONS)})")
 
     def resolve(self, base: tuple) -> tuple:
         """(bits, group_size, symmetric) of the base scheme -> this override's (``WeightScheme.check_overrides``
@@ -134,9 +139,9 @@ class WeightScheme:
                                   f"(or fp: true) over an integer base")
             bits, group, sym = o.resolve((self.bits, self.group_size, self.symmetric))
             _check_int_scheme(where, section, bits, group, sym)
-            if not scheme_fits(bits, self.activations, self.type):
-                raise RecipeError(f"{where}: {section}.bits: {bits} does not run with activations: "
-                                  f"{self.activations}")
+            acts = o.activations or self.activations
+            if not scheme_fits(bits, acts, self.type):
+                raise RecipeError(f"{where}: {section}.bits: {bits} does not run with activations: {acts}")
 
     def linear_scheme(self, path: str) -> tuple[int, int | None, bool, str] | None:
         """(bits, group_size, symmetric, type) of the decoder linear ``path`` after the overrides, or None when
@@ -149,6 +154,16 @@ class WeightScheme:
                 scheme = None if o.fp else (*o.resolve(base), self.type)
         return scheme
 
+    def linear_activations(self, path: str) -> str:
+        """The activations (``fp32`` or ``int8``) that the decoder linear ``path`` meets after the overrides: the
+        last matching override's when it sets them, else the base scheme's."""
+        from fnmatch import fnmatchcase
+        acts = self.activations
+        for o in self.overrides:
+            if fnmatchcase(path, o.match):
+                acts = o.activations or self.activations
+        return acts
+
     def head_scheme(self) -> tuple[int, int | None, bool, str] | None:
         """(bits, group_size, symmetric, type) of the output head, or None when it stays in full precision."""
         if isinstance(self.lm_head, HeadScheme):
@@ -159,7 +174,7 @@ class WeightScheme:
 def overrides_from_list(raw, where: str) -> tuple[Override, ...]:
     if not isinstance(raw, list):
         raise RecipeError(f"{where}: weights.overrides: must be a list of mappings {{match, bits, group_size, "
-                          f"symmetric, fp}}")
+                          f"symmetric, activations, fp}}")
     out = []
     for i, item in enumerate(raw):
         check_keys(where, f"weights.overrides[{i}]", item, Override)
