@@ -4,7 +4,8 @@ Each case quantizes in a fresh process whose environment forces one path: qbench
 path), the kernels' AVX2 path on an AVX-512 CPU (QBENCH_ISA) with ATen, MKL and oneDNN held to AVX2 too,
 no vector code anywhere (ATen's default capability, MKL's SSE4.2 path), and one thread instead of two (MKL
 splits a long X^T X between threads). Every artifact's tensors must have the digest of the default path's.
-The manifest's calibration_path shows that each environment took effect."""
+The manifest's calibration_path shows that each environment took effect. SmolLM2's digests are also pinned to
+another machine's (PINNED), so that a run here checks machine independence across machines too."""
 
 import json
 import os

@@ -143,26 +143,26 @@ class WeightScheme:
             if not scheme_fits(bits, acts, self.type):
                 raise RecipeError(f"{where}: {section}.bits: {bits} does not run with activations: {acts}")
 
+    def _last_match(self, path: str) -> Override | None:
+        """The override that decides the decoder linear ``path``: each resolves against the base scheme
+        (validated so at load), so the last one that matches wins whole."""
+        from fnmatch import fnmatchcase
+        return next((o for o in reversed(self.overrides) if fnmatchcase(path, o.match)), None)
+
     def linear_scheme(self, path: str) -> tuple[int, int | None, bool, str] | None:
         """(bits, group_size, symmetric, type) of the decoder linear ``path`` after the overrides, or None when
         it stays in full precision (an ``fp`` override)."""
-        from fnmatch import fnmatchcase
         base = (self.bits, self.group_size, self.symmetric)
-        scheme = (*base, self.type)
-        for o in self.overrides:  # each against the base scheme (validated so at load), the last match winning
-            if fnmatchcase(path, o.match):
-                scheme = None if o.fp else (*o.resolve(base), self.type)
-        return scheme
+        o = self._last_match(path)
+        if o is None:
+            return (*base, self.type)
+        return None if o.fp else (*o.resolve(base), self.type)
 
     def linear_activations(self, path: str) -> str:
         """The activations (``fp32`` or ``int8``) that the decoder linear ``path`` meets after the overrides: the
-        last matching override's when it sets them, else the base scheme's."""
-        from fnmatch import fnmatchcase
-        acts = self.activations
-        for o in self.overrides:
-            if fnmatchcase(path, o.match):
-                acts = o.activations or self.activations
-        return acts
+        deciding override's when it sets them, else the base scheme's."""
+        o = self._last_match(path)
+        return (o.activations if o is not None else None) or self.activations
 
     def head_scheme(self) -> tuple[int, int | None, bool, str] | None:
         """(bits, group_size, symmetric, type) of the output head, or None when it stays in full precision."""
