@@ -3,10 +3,10 @@
 
     .venv/bin/python scripts/check_speed.py [--claims scripts/speed_claims.yaml]
 
-For each claim whose CPU flags this machine has, it quantizes the claimed recipes into a temporary folder,
-runs `qbench bench MODEL --backends qbench --variant ...` at the claimed batch size, and compares each
-variant's decode tok/s over the fp32 engine's with the claim. Exit 1 when a ratio is below
-claim x (1 - margin); exit 0 when every applicable claim holds or none applies (said so). Separate from
+For each claim whose `cpu_flags` this machine has all of and whose `cpu_lacks` it has none of, it quantizes
+the claimed recipes into a temporary folder, runs `qbench bench MODEL --backends qbench --variant ...` at
+the claimed batch size, and compares each variant's decode tok/s over the fp32 engine's with the claim. Exit 1 when a ratio is below
+claim x (1 - margin) (the file's `margin`, or a claim's own where its runs spread wider); exit 0 when every applicable claim holds or none applies (said so). Separate from
 pytest: the tests never time anything.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+CLAIM_KEYS = {"model", "cpu_flags", "cpu_lacks", "margin", "batch", "prompt_len", "gen_len", "over_fp32_engine"}
 
 
 def qbench(*args: str) -> None:
@@ -30,12 +31,28 @@ def qbench(*args: str) -> None:
         raise SystemExit(f"check_speed: qbench {' '.join(args[:2])} failed: {(p.stderr.strip() or p.stdout)[-400:]}")
 
 
+def not_applicable(claim: dict, have: set[str]) -> str | None:
+    """Why a claim does not apply on a CPU with these flags, or None when it does."""
+    need, excluded = set(claim["cpu_flags"]), set(claim.get("cpu_lacks", []))
+    if not need <= have:
+        return f"it lacks {', '.join(sorted(need - have))}"
+    if excluded & have:
+        return f"the claim is for CPUs without {', '.join(sorted(excluded & have))}"
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--claims", default=str(ROOT / "scripts" / "speed_claims.yaml"))
     args = ap.parse_args()
     spec = yaml.safe_load(Path(args.claims).read_text())
-    margin = float(spec["margin"])
+    default_margin = float(spec["margin"])
+    for i, claim in enumerate(spec["claims"]):  # all of them before any bench runs
+        unknown = set(claim) - CLAIM_KEYS
+        if unknown:  # a misspelt `cpu_lacks` would otherwise widen a claim to CPUs it was not measured on
+            print(f"check_speed: {args.claims}: claims[{i}] has unknown field(s) {', '.join(sorted(unknown))}; "
+                  f"allowed: {', '.join(sorted(CLAIM_KEYS))}", file=sys.stderr)
+            return 2
     from qbench.kernels import build
     machine = build.machine()
     have = set(machine["cpu_flags"])
@@ -43,10 +60,11 @@ def main() -> int:
           f"native kernels {'built' if build.available() else 'NOT built'}")
     failed, checked = 0, 0
     for claim in spec["claims"]:
-        need = set(claim["cpu_flags"])
-        if not need <= have:
-            print(f"{claim['model']}: no claim for this CPU (it lacks {', '.join(sorted(need - have))})")
+        why = not_applicable(claim, have)
+        if why:
+            print(f"{claim['model']}: no claim for this CPU ({why})")
             continue
+        margin = float(claim.get("margin", default_margin))
         with tempfile.TemporaryDirectory(prefix="qbench-speed-") as tmp:
             variants = []
             for recipe in claim["over_fp32_engine"]:
