@@ -189,13 +189,15 @@ def _emit(text: str, report: dict, out_path: str | None) -> None:
 @click.option("--recipe", required=True, help="A recipe name from recipes/ (e.g. w4g128) or a YAML file.")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The artifact folder to write.")
 @click.option("--calibration-samples", type=int, help="Override the recipe's number of calibration windows (AWQ, GPTQ).")
+@click.option("--reuse", is_flag=True, help="Keep an artifact already in --out that this qbench commit made from "
+              "the same model and recipe, instead of quantizing again.")
 @force_option
-def quantize(model, recipe, out_dir, calibration_samples, force):
+def quantize(model, recipe, out_dir, calibration_samples, reuse, force):
     """Quantize MODEL with a recipe into a self-describing artifact folder."""
     from qbench.quant.quantize import run_quantize
 
     m = run_quantize(model, recipe, Path(out_dir), log=lambda s: click.echo(s, err=True),
-                     calibration_samples=calibration_samples, force=force)
+                     calibration_samples=calibration_samples, force=force, reuse=reuse)
     size = m["size"]
     click.echo(f"wrote {out_dir}: {size['artifact_tensor_bytes'] / 2**20:.1f} MiB of tensors, "
                f"{size['bits_per_weight_all']:.3f} bits per weight over all tensors "

@@ -76,6 +76,44 @@ def test_manifest_records_what_the_issue_asks(tiny_models, tmp_path):
     assert json.loads(meta["scheme"]) == m["scheme"]  # the spec lives in the file, not in a name
 
 
+def test_reuse_keeps_only_an_artifact_this_very_command_made(tiny_models, tmp_path, monkeypatch):
+    """quantize --reuse (a resumed make demo) skips the work only for a whole artifact of the same source,
+    recipe and clean commit; any other difference quantizes again, as without the flag."""
+    folder, _ = tiny_models["llama"]
+    out, said = tmp_path / "a", []
+    monkeypatch.setattr(qmod, "source_commit", lambda: "a" * 40)
+    m = run_quantize(str(folder), "w4g64", out, log=lambda s: None)
+    assert m["qbench_commit"] == "a" * 40
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+
+    def again(recipe="w4g64", **kw):
+        said.clear()
+        return run_quantize(str(folder), recipe, out, log=said.append, reuse=True, **kw)
+    assert again()["weights_sha256"] == m["weights_sha256"] and said[0].startswith(f"reusing {out}")
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp  # not written again
+    said.clear()
+    run_quantize(str(folder), "w4g64", out, log=said.append)  # without the flag: quantized again
+    assert not any(x.startswith("reusing") for x in said)
+    for other in ("w4g128", "w8"):  # another recipe: quantized again (and what --reuse then keeps is the new one)
+        again(other)
+        assert not said[0].startswith("reusing")
+    again()
+    monkeypatch.setattr(qmod, "source_commit", lambda: "b" * 40)  # other code: its artifact may differ
+    again()
+    assert not said[0].startswith("reusing")
+    monkeypatch.setattr(qmod, "source_commit", lambda: "b" * 40 + "+dirty")  # uncommitted code: never reused
+    again()
+    assert not said[0].startswith("reusing")
+    monkeypatch.setattr(qmod, "source_commit", lambda: "b" * 40)
+    again()  # the artifact now there was made by the dirty tree: quantized again, then kept
+    assert not said[0].startswith("reusing")
+    again()
+    assert said[0].startswith("reusing")
+    (out / "config.json").write_text("{}")  # changed since qbench wrote it: refused as without --reuse
+    with pytest.raises(QBenchError, match="pass --force"):
+        again()
+
+
 def test_a_kv_recipe_is_recorded_with_its_bytes_per_token_and_runs_on_load(tiny_models, tmp_path):
     from qbench.engine.kv_cache import QuantKVPool
     from qbench.quant.artifact import artifact_kv_scheme

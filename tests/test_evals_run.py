@@ -101,6 +101,7 @@ def test_eval_runs_are_reproducible_resumable_and_batch_invariant(tmp_path, smol
     assert set(ra["task_seconds"]) == set(ra["tasks"]) and sum(ra["task_seconds"].values()) <= ra["seconds"]
     seg, = ra["versions"]["code_segments"]  # one invocation computed every item and chunk
     assert seg["commit"] == ra["versions"]["qbench_commit"] and seg["computed"]["chunks"] == 3
+    assert seg["machine"] == {k: ra["machine"][k] for k in ("cpu", "kernels", "aten", "threads", "torch")}
     # the same command again, from scratch: identical numbers
     assert qbench("eval", SMOL, "--suite", s, "--out", str(b)).returncode == 0
     rb = json.loads((b / "results.json").read_text())

@@ -201,6 +201,55 @@ def test_the_report_marks_two_variants_of_one_recipe_with_different_weights():
     assert same["digest_conflicts"] == [] and "Same recipe" not in markdown(same, {})
 
 
+def test_a_run_resumed_on_another_machine_records_what_each_machine_computed(tmp_path):
+    """A run folder carried to another CPU and resumed there says which machine computed which items; one
+    machine's invocations of one commit count as one segment, as before."""
+    from qbench.evals.provenance import code_segments, machines_of, open_segment
+    from qbench.evals.store import RunStore
+    xeon = {"cpu": "Xeon", "kernels": "avx512", "aten": "AVX512", "threads": 2, "torch": "2.13.0", "cpu_flags": ["avx2"]}
+    epyc = dict(xeon, cpu="EPYC", kernels="avx2", aten="AVX2")
+    store = RunStore(tmp_path / "run")
+    open_segment(store, "a" * 40, xeon)
+    store.add_item("gsm8k", {"key": "g0"})
+    open_segment(store, "a" * 40, dict(xeon, processes=1))  # fields that do not decide the numbers are not kept
+    store.add_item("gsm8k", {"key": "g1"})
+    open_segment(store, "a" * 40, epyc)  # the same commit on another CPU: a new segment
+    store.add_item("gsm8k", {"key": "g2"})
+    segs = code_segments(store)
+    key = lambda m: {k: m[k] for k in ("cpu", "kernels", "aten", "threads", "torch")}  # noqa
+    assert segs == [{"commit": "a" * 40, "machine": key(xeon), "computed": {"gsm8k": 2}},
+                    {"commit": "a" * 40, "machine": key(epyc), "computed": {"gsm8k": 1}}]
+    assert machines_of({"versions": {"code_segments": segs}}) == [key(xeon), key(epyc)]
+    # a run from before segments kept machines: the machine its results.json names, or none
+    assert machines_of({"versions": {"code_segments": [{"commit": None, "computed": {}}]}, "machine": epyc}) == [key(epyc)]
+    assert machines_of({"versions": {}}) == []
+
+
+def test_the_report_names_its_machine_and_warns_when_runs_mix_machines():
+    from qbench.report.render import machine_lines, markdown, page
+    from qbench.report.summary import build
+    xeon = {"cpu": "Xeon", "kernels": "avx512", "aten": "AVX512", "threads": 2, "torch": "2.13.0"}
+    epyc = dict(xeon, cpu="EPYC", kernels="avx2", aten="AVX2")
+    one, warn = machine_lines({"machines": {"fp32": [xeon], "w8": [xeon]}})
+    assert one == "Machine: every run on Xeon (kernels avx512, ATen AVX512, 2 threads, torch 2.13.0)." and warn == []
+    one, (warn,) = machine_lines({"machines": {"fp32": [xeon], "w8": [epyc], "kv4": [xeon, epyc], "old": []}})
+    assert one is None and warn.startswith("Different machines: the runs were not all computed on one machine (fp32: "
+                                           "Xeon (kernels avx512, ATen AVX512, 2 threads, torch 2.13.0); w8: EPYC")
+    assert "kv4: Xeon (kernels avx512, ATen AVX512, 2 threads, torch 2.13.0) then EPYC (kernels avx2, ATen AVX2, 2 " \
+           "threads, torch 2.13.0) (resumed on another machine); old: (machine not recorded))." in warn
+    kld = {"own": {"ppl": 10.0, "ppl_se": 0.5}, "score": None}
+    base, a = _variant("fp32", {"kld": kld}, baseline=True), _variant("a", {"kld": kld})
+    base.record["machine"], a.record["machine"] = dict(xeon, cpu_flags=["avx2"]), dict(epyc, cpu_flags=["avx2"])
+    s = build([base, a])
+    assert s["machines"] == {"fp32": [xeon], "a": [epyc]}
+    md, html = markdown(s, {}), page(s, {})
+    assert "**Different machines: the runs were not all computed on one machine (fp32: Xeon" in md
+    assert "<p class='sig'>Different machines: the runs" in html and "Machine: every run" not in md
+    a.record["machine"] = base.record["machine"]
+    md = markdown(build([base, a]), {})
+    assert "(commit not recorded). Machine: every run on Xeon (kernels avx512" in md and "Different machines" not in md
+
+
 def test_a_run_resumed_on_other_code_records_what_each_commit_computed(tmp_path):
     import torch
 

@@ -119,7 +119,8 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     t0 = time.perf_counter()
     # read before any task runs: the checkout may move (a pull) while a long eval computes
     commit = source_commit()
-    open_segment(store, commit)
+    here = dict(machine(), processes=dist.world)
+    open_segment(store, commit, here)
     for name, cfg in suite.tasks.items():
         log(f"{name} ...")
         seed_everything(suite.seed)
@@ -130,7 +131,7 @@ def run_eval(model: str, suite_path: str, out: Path, baseline: Path | None = Non
     record = dict(header, tasks=results, versions=dict(versions(), qbench_commit=commit,
                                                          code_segments=code_segments(store)),
                   seconds=time.perf_counter() - t0, task_seconds=task_seconds,
-                  machine=dict(machine(), processes=dist.world),
+                  machine=here,
                   finished=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     dist.close()  # every collective is done; what follows is rank 0's writing
     if not dist.main:
@@ -157,8 +158,11 @@ def _claim(out: Path, header: dict) -> None:
     run = out / "run.json"
     if run.is_file():
         old = read_json_object(run, "run header")
-        keep = ("suite", "subject", "baseline", "batch_size", "prefix_cache")
-        if {k: old.get(k) for k in keep} != {k: header.get(k) for k in keep}:
+        keep = ("suite", "subject", "batch_size", "prefix_cache")
+        # one baseline named two ways (relative, then absolute: RUNS=/abs/path make demo) is the same baseline
+        same_base = (old.get("baseline") is None) == (header.get("baseline") is None) and (
+            old.get("baseline") is None or os.path.realpath(old["baseline"]) == os.path.realpath(header["baseline"]))
+        if {k: old.get(k) for k in keep} != {k: header.get(k) for k in keep} or not same_base:
             raise QBenchError(f"{out}: holds a run of another model, suite, baseline, batch size or prefix-cache "
                               f"setting; choose another "
                               f"--out or delete it")

@@ -51,7 +51,7 @@ def machine() -> dict:
     name, flags = cpu_info()
     shown = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_vbmi", "avx_vnni", "avx512_bf16", "amx_int8")
     return {"cpu": name, "cpu_flags": [f for f in shown if f in flags], "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "kernels": kernel_path()}
+            "torch": torch.__version__, "kernels": kernel_path(), "aten": torch.backends.cpu.get_cpu_capability()}
 
 
 def kernel_path() -> str:

@@ -64,8 +64,31 @@ def source_sha256(folder: Path) -> str:
     return ",".join(tensors_sha256(f) for f in weight_files(folder))
 
 
+def reusable(out: Path, recipe: Recipe, folder: Path) -> dict | None:
+    """The manifest of the artifact in ``out`` when this very command made it: a whole qbench artifact (no file
+    changed since), from the same source weights, recipe (calibration windows included) and clean qbench commit.
+    Quantization is deterministic (the same artifact on every machine), so re-running would give its bytes again;
+    a resumed `make demo` skips the work. Anything else: None, and the caller quantizes as usual."""
+    import json
+    manifest_file = Path(out) / "qbench.json"
+    if not manifest_file.is_file():
+        return None
+    try:
+        check_output(Path(out), "artifact")  # raises if qbench did not write it, or a file changed since
+        m = json.loads(manifest_file.read_text(encoding="utf-8"))
+    except (QBenchError, ValueError, UnicodeDecodeError):
+        return None
+    commit = source_commit()
+    if not isinstance(m, dict) or not commit or commit.endswith("+dirty") or m.get("qbench_commit") != commit:
+        return None
+    if m.get("recipe") != json.loads(json.dumps(recipe.to_dict())) or \
+            m.get("source", {}).get("sha256") != source_sha256(folder):  # compared as the manifest stores them
+        return None
+    return m
+
+
 def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibration_samples: int | None = None,
-                 force: bool = False) -> dict:
+                 force: bool = False, reuse: bool = False) -> dict:
     from qbench.engine.api import load_tokenizer
     from qbench.models.registry import load_model
 
@@ -81,6 +104,12 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
     if is_artifact(folder):
         raise QBenchError(f"{model_spec}: already a quantized artifact; quantize the fp source model instead")
     out = Path(out)
+    if reuse:
+        same = reusable(out, recipe, folder)
+        if same is not None:
+            log(f"reusing {out}: made by this qbench commit from the same source and recipe (weights "
+                f"{same.get('weights_sha256', '?')[:12]})")
+            return same
     check_output(out, "artifact", force)  # before the long work, and again before the rename
     model = load_model(folder, torch.float32)
     if recipe.kv is not None:
@@ -113,7 +142,8 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
         import json
         src_record["provenance"] = json.loads((folder / SOURCE_FILE).read_text())
     manifest = {
-        "recipe": recipe.to_dict(), "source": src_record, "versions": versions(), "seed": recipe.calibration.seed,
+        "recipe": recipe.to_dict(), "source": src_record, "versions": versions(), "qbench_commit": source_commit(),
+        "seed": recipe.calibration.seed,
         "calibration": calib_record, "calibration_path": calibration_path() if recipe.needs_calibration else None,
         "layers": [] if result is None else result.layers,
         "fp_linears": [] if result is None else [p for p, _ in model.linear_map() if p not in result.qtensors],

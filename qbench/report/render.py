@@ -62,6 +62,10 @@ def tables(summary: dict) -> list[tuple[str, list[str], list[list[str]]]]:
             ("Paired significance", paired_head, paired)]
 
 
+def _sentence(s: str | None) -> str:
+    return f" {s}" if s else ""
+
+
 def code_line(summary: dict) -> str:
     """Which qbench code made the runs: one commit, or the groups when they differ. A run resumed on other
     code lists its commits in the order they computed it."""
@@ -78,6 +82,32 @@ def code_line(summary: dict) -> str:
         return f"Code: every run by qbench {said(commits)}."
     return ("Code: the runs were made by different qbench commits (" + "; ".join(
         f"{', '.join(names)}: {said(c)}" for c, names in groups.items()) + ").")
+
+
+def machine_label(m: dict) -> str:
+    extra = [f"kernels {m['kernels']}" if m.get("kernels") else None, f"ATen {m['aten']}" if m.get("aten") else None,
+             f"{m['threads']} threads" if m.get("threads") else None, f"torch {m['torch']}" if m.get("torch") else None]
+    extra = [x for x in extra if x]
+    return (m.get("cpu") or "an unnamed CPU") + (f" ({', '.join(extra)})" if extra else "")
+
+
+def machine_lines(summary: dict) -> tuple[str | None, list[str]]:
+    """Where the runs were computed: one sentence when every run was made on one machine, else a warning. Speed
+    is each machine's, and a quantized KV cache's figures and generated answers can move with another
+    instruction set's last bits, so a report that mixes machines says so, and names a run resumed on another."""
+    groups: dict = {}
+    for name, ms in summary.get("machines", {}).items():
+        groups.setdefault(tuple(machine_label(m) for m in ms) or ("(machine not recorded)",), []).append(name)
+    if not groups:
+        return None, []
+    if len(groups) == 1 and len(next(iter(groups))) == 1:
+        return f"Machine: every run on {next(iter(groups))[0]}.", []
+    said = "; ".join(f"{', '.join(names)}: {' then '.join(labels)}" + (" (resumed on another machine)"
+                                                                      if len(labels) > 1 else "")
+                     for labels, names in groups.items())
+    return None, [f"Different machines: the runs were not all computed on one machine ({said}). Speed and memory "
+                  f"compare only between runs of one machine, and the figures of a quantized KV cache and generated "
+                  f"answers can differ between instruction sets (README, \"What reproduces\")."]
 
 
 def digest_lines(summary: dict) -> list[str]:
@@ -139,8 +169,8 @@ def markdown(summary: dict, figures: dict[str, bytes]) -> str:
     s = summary["suite"]
     out = [f"# qbench compare: suite `{s['name']}` (hash {s['hash']}, seed {s['seed']})", "",
            f"Baseline: **{summary['baseline']}**. Every variant ran the same suite and seed, so it saw the same "
-           f"tokens, prompts and exemplars. {code_line(summary)}", ""]
-    warnings = digest_lines(summary)
+           f"tokens, prompts and exemplars. {code_line(summary)}" + _sentence(machine_lines(summary)[0]), ""]
+    warnings = machine_lines(summary)[1] + digest_lines(summary)
     out += [f"**{w}**" for w in warnings] + ([""] if warnings else [])
     for title, head, rows in tables(summary):
         out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -167,8 +197,8 @@ def page(summary: dict, figures: dict[str, bytes]) -> str:
            f"<h1>qbench compare: suite <code>{e(s['name'])}</code></h1>",
            f"<p>Suite hash {e(s['hash'])}, seed {s['seed']}. Baseline: <b>{e(summary['baseline'])}</b>. Every "
            f"variant ran the same suite and seed, so it saw the same tokens, prompts and exemplars. "
-           f"{e(code_line(summary))}</p>"]
-    out += [f"<p class='sig'>{e(w)}</p>" for w in digest_lines(summary)]
+           f"{e(code_line(summary) + _sentence(machine_lines(summary)[0]))}</p>"]
+    out += [f"<p class='sig'>{e(w)}</p>" for w in machine_lines(summary)[1] + digest_lines(summary)]
     for title, head, rows in tables(summary):
         out.append(f"<h2>{e(title)}</h2><div class='wrap'><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
         for r in rows:

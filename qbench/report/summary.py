@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from qbench.evals.provenance import commits_of
+from qbench.evals.provenance import commits_of, machines_of
 from qbench.report.collect import Variant
 
 ALPHA = 0.05
@@ -113,4 +113,5 @@ def build(variants: list[Variant]) -> dict:
             "baseline": base.name, "alpha": ALPHA,
             "variants": rows, "digest_conflicts": digest_conflicts(rows),
             "code": {v.name: commits_of(v.record) for v in variants},
+            "machines": {v.name: machines_of(v.record) for v in variants},
             "paired": {v.name: paired_tests(v) for v in variants[1:]}}
