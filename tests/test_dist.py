@@ -92,6 +92,8 @@ def strip(rec):
         rec.pop(k, None)
     for t in rec["tasks"].values():
         t.pop("throughput", None)
+    for seg in rec["versions"]["code_segments"]:
+        seg.pop("machine", None)  # each rank runs one thread: a machine of its own, the numbers the same
     return rec
 
 
