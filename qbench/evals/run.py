@@ -158,11 +158,11 @@ def _claim(out: Path, header: dict) -> None:
     run = out / "run.json"
     if run.is_file():
         old = read_json_object(run, "run header")
-        keep = ("suite", "subject", "batch_size", "prefix_cache")
-        # one baseline named two ways (relative, then absolute: RUNS=/abs/path make demo) is the same baseline
-        same_base = (old.get("baseline") is None) == (header.get("baseline") is None) and (
-            old.get("baseline") is None or os.path.realpath(old["baseline"]) == os.path.realpath(header["baseline"]))
-        if {k: old.get(k) for k in keep} != {k: header.get(k) for k in keep} or not same_base:
+        def key(h):  # one baseline named two ways (relative, then absolute: RUNS=/abs/path) is one baseline
+            base = h.get("baseline")
+            return dict({k: h.get(k) for k in ("suite", "subject", "batch_size", "prefix_cache")},
+                        baseline=None if base is None else os.path.realpath(base))
+        if key(old) != key(header):
             raise QBenchError(f"{out}: holds a run of another model, suite, baseline, batch size or prefix-cache "
                               f"setting; choose another "
                               f"--out or delete it")

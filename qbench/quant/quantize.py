@@ -17,7 +17,7 @@ from qbench.models.weights import weight_files
 from qbench.models.zoo import SOURCE_FILE, resolve_model
 from qbench.paths import atomic_dir, check_output, tensors_sha256
 from qbench.quant.apply import check_recipe, quantize_model
-from qbench.quant.artifact import is_artifact
+from qbench.quant.artifact import is_artifact, read_manifest, verify_files
 from qbench.quant.artifact_write import save_artifact
 from qbench.quant.calibration import calibration_windows
 from qbench.quant.recipe import Recipe, load_recipe
@@ -70,16 +70,16 @@ def reusable(out: Path, recipe: Recipe, folder: Path) -> dict | None:
     Quantization is deterministic (the same artifact on every machine), so re-running would give its bytes again;
     a resumed `make demo` skips the work. Anything else: None, and the caller quantizes as usual."""
     import json
-    manifest_file = Path(out) / "qbench.json"
-    if not manifest_file.is_file():
+    if not is_artifact(Path(out)):
         return None
     try:
         check_output(Path(out), "artifact")  # raises if qbench did not write it, or a file changed since
-        m = json.loads(manifest_file.read_text(encoding="utf-8"))
-    except (QBenchError, ValueError, UnicodeDecodeError):
+        m = read_manifest(out)
+        verify_files(out, m)  # the files' hashes, not only their sizes: what is kept is what was written
+    except QBenchError:
         return None
     commit = source_commit()
-    if not isinstance(m, dict) or not commit or commit.endswith("+dirty") or m.get("qbench_commit") != commit:
+    if not commit or commit.endswith("+dirty") or m.get("qbench_commit") != commit:
         return None
     if m.get("recipe") != json.loads(json.dumps(recipe.to_dict())) or \
             m.get("source", {}).get("sha256") != source_sha256(folder):  # compared as the manifest stores them

@@ -167,10 +167,11 @@ FIGURES = [("kld_cdf", "Per-token KLD, cumulative"), ("needle", "Needle retrieva
 
 def markdown(summary: dict, figures: dict[str, bytes]) -> str:
     s = summary["suite"]
+    machine, machine_warnings = machine_lines(summary)
     out = [f"# qbench compare: suite `{s['name']}` (hash {s['hash']}, seed {s['seed']})", "",
            f"Baseline: **{summary['baseline']}**. Every variant ran the same suite and seed, so it saw the same "
-           f"tokens, prompts and exemplars. {code_line(summary)}" + _sentence(machine_lines(summary)[0]), ""]
-    warnings = machine_lines(summary)[1] + digest_lines(summary)
+           f"tokens, prompts and exemplars. {code_line(summary)}" + _sentence(machine), ""]
+    warnings = machine_warnings + digest_lines(summary)
     out += [f"**{w}**" for w in warnings] + ([""] if warnings else [])
     for title, head, rows in tables(summary):
         out += [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -191,14 +192,15 @@ figcaption{font-size:12px;color:#555}img{max-width:100%;border:1px solid #eee}.w
 
 def page(summary: dict, figures: dict[str, bytes]) -> str:
     s = summary["suite"]
+    machine, machine_warnings = machine_lines(summary)
     e = html.escape
     out = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
            f"<title>qbench compare: {e(s['name'])}</title><style>{CSS}</style></head><body>",
            f"<h1>qbench compare: suite <code>{e(s['name'])}</code></h1>",
            f"<p>Suite hash {e(s['hash'])}, seed {s['seed']}. Baseline: <b>{e(summary['baseline'])}</b>. Every "
            f"variant ran the same suite and seed, so it saw the same tokens, prompts and exemplars. "
-           f"{e(code_line(summary) + _sentence(machine_lines(summary)[0]))}</p>"]
-    out += [f"<p class='sig'>{e(w)}</p>" for w in machine_lines(summary)[1] + digest_lines(summary)]
+           f"{e(code_line(summary) + _sentence(machine))}</p>"]
+    out += [f"<p class='sig'>{e(w)}</p>" for w in machine_warnings + digest_lines(summary)]
     for title, head, rows in tables(summary):
         out.append(f"<h2>{e(title)}</h2><div class='wrap'><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
         for r in rows:
