@@ -189,8 +189,9 @@ def _emit(text: str, report: dict, out_path: str | None) -> None:
 @click.option("--recipe", required=True, help="A recipe name from recipes/ (e.g. w4g128) or a YAML file.")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="The artifact folder to write.")
 @click.option("--calibration-samples", type=int, help="Override the recipe's number of calibration windows (AWQ, GPTQ).")
-@click.option("--reuse", is_flag=True, help="Keep an artifact already in --out that this qbench commit made from "
-              "the same model and recipe, instead of quantizing again.")
+@click.option("--reuse", is_flag=True, help="Keep an artifact already in --out that the same qbench code made from "
+              "the same model and recipe (a commit that changed only docs or tests counts as the same), instead of "
+              "quantizing again.")
 @force_option
 def quantize(model, recipe, out_dir, calibration_samples, reuse, force):
     """Quantize MODEL with a recipe into a self-describing artifact folder."""

@@ -10,8 +10,9 @@
 # $CALIBRATION windows (default 16, to fit the time budget; the recipe's own default is larger).
 #
 # RUNS=artifacts/runs/MODEL-DATE continues an interrupted demo in that folder instead: each eval resumes from
-# the items its run already holds (a finished one only reloads), and a quantization whose artifact this
-# qbench commit already made from the same model and recipe is kept (quantize --reuse). The report's Code and
+# the items its run already holds (a finished one only reloads), and a quantization whose artifact the same
+# qbench code already made from the same model and recipe is kept (quantize --reuse; commits that changed only
+# documentation or tests count as the same code). The report's Code and
 # Machine lines then name every commit and machine that computed a run.
 set -euo pipefail
 [ $# -ge 4 ] || { echo "usage: scripts/demo.sh MODEL SUITE REPORT_DIR VARIANT..." >&2; exit 2; }

@@ -114,6 +114,39 @@ def test_reuse_keeps_only_an_artifact_this_very_command_made(tiny_models, tmp_pa
         again()
 
 
+def test_same_code_ignores_only_documentation_and_tests(tmp_path):
+    """--reuse across commits: a commit that touched only NOT_CODE (docs, the committed report, tests, CI) ran
+    the same code; one that touched anything else, uncommitted code, or a commit this clone lacks did not."""
+    import subprocess
+
+    def git(*a):
+        return subprocess.run(["git", "-C", str(tmp_path), *a], capture_output=True, text=True, check=True).stdout.strip()
+    git("init", "-q")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+
+    def commit(path, text):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", "-A"), git("commit", "-qm", path)
+        return git("rev-parse", "HEAD")
+    a = commit("qbench/x.py", "x = 1\n")
+    commit("README.md", "doc\n")
+    commit("tests/test_x.py", "t = 1\n")
+    b = commit("artifacts/demo/report.md", "r\n")
+    assert qmod.same_code(a, b, tmp_path) and qmod.same_code(a, a, tmp_path)
+    assert not qmod.same_code(a + "+dirty", b, tmp_path)  # an artifact made by uncommitted code: never
+    assert not qmod.same_code("c" * 40, b, tmp_path)  # a commit unknown here
+    (tmp_path / "README.md").write_text("edited\n")
+    assert qmod.same_code(a, b + "+dirty", tmp_path)  # uncommitted documentation only
+    (tmp_path / "qbench/x.py").write_text("x = 2\n")
+    assert not qmod.same_code(a, b + "+dirty", tmp_path)  # uncommitted code
+    git("checkout", "-q", "--", "qbench/x.py")
+    for path in ("qbench/x.py", "recipes/r.yaml", "evals/data/w.txt", "pyproject.toml"):
+        c = commit(path, "changed\n")
+        assert not qmod.same_code(a, c, tmp_path), path
+        assert qmod.same_code(c, commit("docs/notes.md", path + "\n"), tmp_path)
+
+
 def test_a_kv_recipe_is_recorded_with_its_bytes_per_token_and_runs_on_load(tiny_models, tmp_path):
     from qbench.engine.kv_cache import QuantKVPool
     from qbench.quant.artifact import artifact_kv_scheme

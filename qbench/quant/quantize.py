@@ -29,23 +29,53 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def _git(root: Path, *args: str):
+    """One git command in the checkout at ``root``; None when git cannot run."""
+    import subprocess
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _checkout() -> Path | None:
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / ".git").exists() and (root / "pyproject.toml").is_file() else None
+
+
 def source_commit() -> str | None:
     """The git commit qbench runs from ("+dirty" when tracked files differ from it); None outside a checkout.
     Eval results record it, so a report whose runs were made by different code says so."""
-    import subprocess
-    root = Path(__file__).resolve().parents[2]
-    if not (root / ".git").exists() or not (root / "pyproject.toml").is_file():
+    root = _checkout()
+    head = _git(root, "rev-parse", "HEAD") if root else None
+    if head is None or head.returncode != 0:
         return None
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "-uno"], capture_output=True,
-                               text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    dirty = _git(root, "status", "--porcelain", "-uno")
+    return head.stdout.strip() + ("+dirty" if dirty is not None and dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+# What cannot change an artifact's bytes: documentation, the committed demo report, the tests and CI. Everything
+# else (qbench/, recipes/, evals/ with the calibration text, pyproject.toml, scripts) counts as the code.
+NOT_CODE = (":(exclude)*.md", ":(exclude)artifacts", ":(exclude)tests", ":(exclude).ci")
+
+
+def same_code(made_by: str | None, current: str | None, root: Path | None = None) -> bool:
+    """Whether the commit that made an artifact (``made_by``, from its manifest) ran the code that runs now
+    (``current``, from source_commit): the same commit, or commits whose trees differ only in NOT_CODE, with no
+    uncommitted change outside NOT_CODE. A README commit in the middle of a resumed `make demo` then does not
+    throw away an hour of AWQ calibration. A commit this checkout does not have (a shallow clone) is not the same."""
+    root = root or _checkout()
+    if not made_by or not current or made_by.endswith("+dirty") or root is None:
+        return False
+    head = current.removesuffix("+dirty")
+    if current.endswith("+dirty"):
+        st = _git(root, "status", "--porcelain", "-uno", "--", ".", *NOT_CODE)
+        if st is None or st.returncode != 0 or st.stdout.strip():
+            return False
+    if made_by == head:
+        return True
+    diff = _git(root, "diff", "--quiet", made_by, head, "--", ".", *NOT_CODE)
+    return diff is not None and diff.returncode == 0  # 1: the code differs; 128: a commit unknown here
 
 
 def calibration_path() -> dict:
@@ -66,7 +96,7 @@ def source_sha256(folder: Path) -> str:
 
 def reusable(out: Path, recipe: Recipe, folder: Path) -> dict | None:
     """The manifest of the artifact in ``out`` when this very command made it: a whole qbench artifact (no file
-    changed since), from the same source weights, recipe (calibration windows included) and clean qbench commit.
+    changed since), from the same source weights, recipe (calibration windows included) and qbench code (same_code).
     Quantization is deterministic (the same artifact on every machine), so re-running would give its bytes again;
     a resumed `make demo` skips the work. Anything else: None, and the caller quantizes as usual."""
     import json
@@ -78,8 +108,7 @@ def reusable(out: Path, recipe: Recipe, folder: Path) -> dict | None:
         verify_files(out, m)  # the files' hashes, not only their sizes: what is kept is what was written
     except QBenchError:
         return None
-    commit = source_commit()
-    if not commit or commit.endswith("+dirty") or m.get("qbench_commit") != commit:
+    if not same_code(m.get("qbench_commit"), source_commit()):
         return None
     if m.get("recipe") != json.loads(json.dumps(recipe.to_dict())) or \
             m.get("source", {}).get("sha256") != source_sha256(folder):  # compared as the manifest stores them
@@ -107,8 +136,8 @@ def run_quantize(model_spec: str, recipe_spec: str, out: Path, log=print, calibr
     if reuse:
         same = reusable(out, recipe, folder)
         if same is not None:
-            log(f"reusing {out}: made by this qbench commit from the same source and recipe (weights "
-                f"{same.get('weights_sha256', '?')[:12]})")
+            log(f"reusing {out}: made by the same qbench code (commit {same['qbench_commit'][:12]}) from the same "
+                f"source and recipe (weights {same.get('weights_sha256', '?')[:12]})")
             return same
     check_output(out, "artifact", force)  # before the long work, and again before the rename
     model = load_model(folder, torch.float32)
