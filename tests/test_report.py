@@ -272,3 +272,18 @@ def test_a_run_resumed_on_other_code_records_what_each_commit_computed(tmp_path)
                     {"commit": "b" * 40, "computed": {"gsm8k": 1}}]
     assert commits_of({"versions": {"code_segments": segs, "qbench_commit": "c" * 40}}) == [None, "a" * 40, "b" * 40]
     assert commits_of({"versions": {"qbench_commit": "c" * 40}}) == ["c" * 40]  # a run from before segments
+
+
+def test_points_that_would_overprint_share_one_label():
+    """Two variants at nearly one point of a Pareto plot (w4g128 and w4g128-awq: the same bytes, KLD 0.176 and
+    0.183 on a log axis) get one label with both names; points apart keep their own, in the axis' own scale."""
+    from qbench.report.figures import _near
+    mib = 2**20
+    pts = [(2404 * mib, 0.0005, {}), (1381 * mib, 0.0015, {}), (1217 * mib, 0.176, {}), (1217 * mib, 0.183, {}),
+           (440 * mib, 0.176, {})]
+    assert _near(pts, logx=False, logy=True) == [0, 1, 2, 2, 4]
+    assert _near(pts, logx=False, logy=False) == [0, 1, 2, 2, 4]
+    # 0.0005 and 0.0015 differ by 0.5% of a linear span, but by a quarter of a log one
+    close = [(1000 * mib, 0.0005, {}), (1000 * mib, 0.0015, {}), (2000 * mib, 0.2, {})]
+    assert _near(close, logx=False, logy=False) == [0, 0, 2]
+    assert _near(close, logx=False, logy=True) == [0, 1, 2]

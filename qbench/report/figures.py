@@ -65,15 +65,35 @@ def needle_heatmaps(variants: list[Variant]) -> bytes | None:
     return buf.getvalue()
 
 
-def _frontier_plot(ax, pts: list[tuple], higher_is_better: bool) -> None:
+def _near(pts: list[tuple], logx: bool, logy: bool, tolx: float = 0.08, toly: float = 0.05) -> list[int]:
+    """For each point, the index of the first point within ``tolx`` and ``toly`` of the axes' spans of it (in the
+    scale each axis is drawn in; about a label's width and height): points that would print their labels over
+    each other share one label."""
+    import math
+
+    def scaled(v, log):
+        return math.log10(v) if log and v > 0 else v
+    xs = [scaled(x, logx) for x, _, _ in pts]
+    ys = [scaled(y, logy) for _, y, _ in pts]
+    spanx, spany = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    first: list[int] = []
+    for i in range(len(pts)):
+        anchors = [j for j in range(i) if first[j] == j and abs(xs[i] - xs[j]) <= tolx * spanx
+                   and abs(ys[i] - ys[j]) <= toly * spany]
+        first.append(anchors[0] if anchors else i)
+    return first
+
+
+def _frontier_plot(ax, pts: list[tuple], higher_is_better: bool, logx: bool = False, logy: bool = False) -> None:
     """(bytes, quality, row) points, labelled, and the dashed frontier through those that no other point beats
     on both (fewer bytes, better quality); x in MiB."""
-    names: dict[tuple, list[str]] = {}  # variants on one point (two policies, same score) share one label
-    for i, (x, y, r) in enumerate(pts):
+    names: dict[int, list[str]] = {}  # variants on (nearly) one point share one label, one name per line
+    for i, ((x, y, r), j) in enumerate(zip(pts, _near(pts, logx, logy))):
         ax.scatter(x / 2**20, y, color=COLORS[i % len(COLORS)], s=36, zorder=3)
-        names.setdefault((x, y), []).append(r["name"])
-    for (x, y), same in names.items():
-        ax.annotate("\n".join(same), (x / 2**20, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        names.setdefault(j, []).append(r["name"])
+    for j, same in names.items():
+        ax.annotate("\n".join(same), (pts[j][0] / 2**20, pts[j][1]), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points", va="bottom")
     sign = -1 if higher_is_better else 1  # frontier in the order of worse-is-larger
     front, best = [], float("inf")
     for x, y, _ in sorted(pts, key=lambda p: (p[0], sign * p[1])):
@@ -92,7 +112,7 @@ def pareto(rows: list[dict], context: int) -> bytes | None:
         return None
     fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
     floor = min([y for _, y, _ in pts if y > 0] or [1e-4]) / 3
-    _frontier_plot(ax, [(x, max(y, floor), r) for x, y, r in pts], higher_is_better=False)
+    _frontier_plot(ax, [(x, max(y, floor), r) for x, y, r in pts], higher_is_better=False, logy=True)
     ax.set_yscale("log")
     ax.set_xlabel(f"memory: weights + KV cache of one {context:,}-token sequence (MiB)")
     ax.set_ylabel("mean KLD vs baseline")
@@ -110,7 +130,7 @@ def kv_pareto(rows: list[dict]) -> bytes | None:
     if len(pts) < 2 or len({x for x, _, _ in pts}) < 2:
         return None
     fig, ax = pyplot().subplots(figsize=(6.4, 3.6))
-    _frontier_plot(ax, pts, higher_is_better=True)
+    _frontier_plot(ax, pts, higher_is_better=True, logx=True)
     ax.set_xscale("log")
     from matplotlib.ticker import NullFormatter
     ticks = sorted({x / 2**20 for x, _, _ in pts})  # each variant's size, instead of colliding minor labels
