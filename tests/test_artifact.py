@@ -102,6 +102,7 @@ def test_reuse_keeps_only_an_artifact_this_very_command_made(tiny_models, tmp_pa
     again()
     assert not said[0].startswith("reusing")
     monkeypatch.setattr(qmod, "source_commit", lambda: "b" * 40 + "+dirty")  # uncommitted code: never reused
+    monkeypatch.setattr(qmod, "uncommitted_code", lambda root: True)  # (whatever this checkout holds)
     again()
     assert not said[0].startswith("reusing")
     monkeypatch.setattr(qmod, "source_commit", lambda: "b" * 40)

@@ -59,6 +59,12 @@ def source_commit() -> str | None:
 NOT_CODE = (":(exclude)*.md", ":(exclude)artifacts", ":(exclude)tests", ":(exclude).ci")
 
 
+def uncommitted_code(root: Path) -> bool:
+    """Whether tracked files outside NOT_CODE differ from HEAD (True when git cannot tell)."""
+    st = _git(root, "status", "--porcelain", "-uno", "--", ".", *NOT_CODE)
+    return st is None or st.returncode != 0 or bool(st.stdout.strip())
+
+
 def same_code(made_by: str | None, current: str | None, root: Path | None = None) -> bool:
     """Whether the commit that made an artifact (``made_by``, from its manifest) ran the code that runs now
     (``current``, from source_commit): the same commit, or commits whose trees differ only in NOT_CODE, with no
@@ -68,10 +74,8 @@ def same_code(made_by: str | None, current: str | None, root: Path | None = None
     if not made_by or not current or made_by.endswith("+dirty") or root is None:
         return False
     head = current.removesuffix("+dirty")
-    if current.endswith("+dirty"):
-        st = _git(root, "status", "--porcelain", "-uno", "--", ".", *NOT_CODE)
-        if st is None or st.returncode != 0 or st.stdout.strip():
-            return False
+    if current.endswith("+dirty") and uncommitted_code(root):
+        return False
     if made_by == head:
         return True
     diff = _git(root, "diff", "--quiet", made_by, head, "--", ".", *NOT_CODE)
