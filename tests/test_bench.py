@@ -170,3 +170,20 @@ def test_a_short_run_has_one_quarter_per_step():
     assert [round(x) for x in out["step_ms_by_quarter"]] == [100, 200, 300] and out["decode_steps"] == 3
     four = summarize({"batch": 1, "prefill_s": 0.5, "decode_s": [0.1] * 9}, 64)
     assert len(four["step_ms_by_quarter"]) == 4
+
+
+def test_an_evicting_cache_reserves_its_budget_not_the_whole_context(tmp_path, smollm2):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qbench", "bench", SMOL, "--batch-sizes", "2", "--prompt-len", "64", "--gen-len", "5",
+         "--backends", "qbench", "--kv", "kv-snap", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0, proc.stderr
+    r = {x["label"]: x for x in json.loads(out.read_text())["results"]}
+    block = 16 * 46080  # 16 fp32 tokens of SmolLM2
+    assert r["qbench"]["kv_bytes_reserved"] == 2 * 5 * block  # 64 + 5 tokens each, whole
+    # SnapKV keeps 16 of 64 prompt tokens: each sequence holds at most 2 blocks once its prefill is done, and one
+    # 4-block prompt prefills at a time
+    snap = r["qbench[kv-snap]"]
+    assert snap["kv_bytes_reserved"] == (2 * 2 + 2) * block
+    assert snap["kv_bytes_used"] == 2 * 2 * block  # 16 kept + 5 new tokens each, in 2 blocks

@@ -281,6 +281,57 @@ def test_evicted_blocks_return_to_the_free_list_and_are_reused(llama):
     assert all(len(s.output_ids) == 30 for s in out)
 
 
+def test_footprints_and_the_pool_a_wave_needs():
+    from qbench.engine.footprint import Footprint, footprint, pool_blocks
+    snap = ev.Eviction("snapkv", 0.25)
+    assert footprint(8160, 8192, 16) == Footprint(512, 512, False)  # no eviction: the whole reach
+    assert footprint(8160, 8192, 16, ev.Eviction("snapkv", 8192)) == Footprint(512, 512, False)  # it covers it
+    # 2,040 kept + one block: 129 blocks once the prefill is done; the 510-block prompt while it prefills
+    assert footprint(8160, 8192, 16, snap) == Footprint(129, 510, True)
+    assert footprint(100, 105, 16, ev.Eviction("streaming", 0.9)) == Footprint(7, 7, True)  # reach < budget + block
+    assert pool_blocks([footprint(8160, 8192, 16, snap)] * 6, 4) == 4 * 129 + 381  # against 4 x 512 whole
+    assert pool_blocks([Footprint(3, 9, True), Footprint(5, 5, False), Footprint(4, 4, False)], 2) == 9 + 6
+    assert Footprint(4, 10, True).admitted(3) == 16 and Footprint(4, 10, True).admitted(1) == 10
+
+
+@pytest.mark.parametrize("policy, bits", [("snapkv", 16), ("h2o", 16), ("streaming", 4)])
+def test_the_pool_holds_the_budgets_and_one_prompt_and_gives_the_same_tokens(llama, policy, bits):
+    """An evicting cache's pool holds each request's budget plus one block and one whole prompt, not every reach;
+    the scheduler reserves at admission, so nothing is preempted and the tokens and logits are those of a pool that
+    holds every request whole."""
+    kv = (KVScheme(scheme="fp", evict=policy, budget=0.25, window=8) if bits == 16 else
+          KVScheme(k_bits=bits, v_bits=bits, v_group=16, residual=16, evict=policy, budget=0.25))
+    ps = prompts([160, 150, 170, 140, 155], seed=3)
+    runs = {}
+    for name, capacity, chunk in (("budget", None, 4096), ("whole", 52 * BS, 4096), ("chunked", None, 64)):
+        eng = Engine(llama, max_batch=4, kv_scheme=kv, token_budget=chunk, kv_capacity_tokens=capacity)
+        eng.trace_logits = True
+        runs[name] = eng, eng.generate(ps, GREEDY)
+    # 25% kept (40, 38, 43, 35, 39 tokens), + 40 new: at most 4 blocks each after the prefill (budget + one
+    # block); the longest prompt takes 11 blocks, 7 beyond its 4. Every reach (180-210 tokens) whole: 52 blocks
+    for name in ("budget", "chunked"):
+        eng = runs[name][0]
+        assert eng.pool.num_blocks == 4 * 4 + 7
+        assert eng.stats.preemptions == 0 and eng.evictor.evictions >= 10
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+    for a, b, c in zip(runs["whole"][1], runs["budget"][1], runs["chunked"][1]):
+        assert a.output_ids == b.output_ids == c.output_ids
+        # the small pool prefills one prompt at a time, the whole one four together: the same logits, bit for bit
+        assert len(a.trace) == len(b.trace) and all(torch.equal(x[1], y[1]) for x, y in zip(a.trace, b.trace))
+
+
+def test_parallel_samples_under_eviction_fit_a_pool_of_their_budgets(llama):
+    kv = KVScheme(scheme="fp", evict="snapkv", budget=0.25, window=8)
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.9, seed=4)
+    p = prompts([160], seed=9)[0]
+    eng = Engine(llama, max_batch=4, kv_scheme=kv)
+    got = eng.generate_n(p, sp, 3)
+    assert eng.pool.num_blocks == 3 * 4 + 6  # three samples' budgets plus one block, and the 10-block prompt
+    want = Engine(llama, max_batch=4, kv_scheme=kv, kv_capacity_tokens=64 * BS).generate_n(p, sp, 3)
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    assert len({tuple(s.output_ids) for s in got}) > 1 and eng.blocks.num_free == eng.blocks.num_blocks
+
+
 def test_an_evicting_request_neither_reads_nor_fills_the_prefix_cache(llama):
     """The rule: with the prefix cache on and a pool sized for the requests alone, an evicting request still
     evicts (its blocks are its own), caches nothing, and gives the same tokens as without the cache; a request
@@ -329,6 +380,7 @@ def test_scoring_under_eviction_equals_the_decode_steps_of_a_generation(llama, p
     eng = Engine(llama, max_batch=2, kv_scheme=kv)
     together = eng.score(texts, prompt_len=96)
     assert eng.evictor.evictions >= 2 * 3 and eng.blocks.num_free == eng.blocks.num_blocks
+    assert eng.pool.num_blocks == 2 * 6  # the two 96-token prompts, then 24 kept + one block: not 135-token texts
     for text, s, lp in zip(texts, seqs, together):
         assert lp.shape == (len(text) - 95, llama.config.vocab_size)  # from the prompt's last position on
         want = {start: torch.log_softmax(lg, dim=-1) for start, lg in s.trace}

@@ -130,9 +130,10 @@ def run_case(case: dict) -> dict:
                 scheme = load_kv_scheme(case["kv"])
             if backend == "qbench":
                 bs = 16 if scheme is None else scheme.group
-                # the pool the timed call needs, made now, so that a short warm-up runs on it
-                runner = Engine(model, max_batch=B, kv_scheme=scheme, block_size=bs,
-                                kv_capacity_tokens=B * -(-min(P + G, model.config.max_positions) // bs) * bs)
+                # the pool the timed call needs, made now, so that a short warm-up runs on it (an evicting cache's
+                # holds each sequence's budget plus one block, and one whole prompt at a time: engine/footprint.py)
+                runner = Engine(model, max_batch=B, kv_scheme=scheme, block_size=bs)
+                runner.size_pool_for(prompts, SamplingParams(max_new_tokens=G, ignore_eos=True))
             else:
                 runner = NoCacheEngine(model)
             res["weight_bytes"] = model.weight_bytes()

@@ -16,6 +16,7 @@ import torch
 from qbench.engine import scoring
 from qbench.engine.block_manager import BlockManager
 from qbench.engine.evictor import Evictor
+from qbench.engine.footprint import Footprint, footprint, pool_blocks
 from qbench.engine.kv_cache import KVPool, QuantKVPool, blocks_in_budget
 from qbench.engine.radix import RadixCache
 from qbench.engine.runner import ModelRunner
@@ -159,7 +160,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  cache_salt: str = "") -> list[Sequence]:
         seqs = make_sequences(prompts, params, self.config.max_positions)
-        self._size_pool([self._budget(s) for s in seqs])
+        self._size_pool([self._footprint(s) for s in seqs])
         for s in seqs:
             s.cache_salt = cache_salt
         self._run(seqs)
@@ -177,18 +178,24 @@ class Engine:
         parent.cache_salt = cache_salt
         children = [Sequence(list(prompt), replace(params, seed=params.seed + i)) for i in range(1, n)]
         parent.forks = list(children)  # emptied once they have forked
-        self._size_pool([self._budget(parent)] * n)
+        self._size_pool([self._footprint(parent)] * n)
         self._run([parent])
         return [parent] + children
 
     def _run(self, seqs: list[Sequence]) -> None:
         ev = self.evictor
+        reserve = ev is not None and self.sched_cfg.policy == "continuous"
         sched = Scheduler(self.sched_cfg, self.blocks, self.cache, budget_of=self._budget,
-                          evicts=None if ev is None else ev.evicts)
+                          evicts=None if ev is None else ev.evicts, footprint_of=self._footprint if reserve else None)
         for s in seqs:
-            shared = len(s) // self.block_size  # whole prompt blocks, held once however many samples
-            if shared + (self.blocks.blocks_for(self._budget(s)) - shared) * (1 + len(s.forks)) > self.blocks.num_blocks:
-                raise pool_too_small(self._budget(s) * (1 + len(s.forks)), self.pool.capacity_tokens)
+            fp = self._footprint(s)
+            if fp.evicts:
+                need = fp.admitted(len(s.forks))
+            else:
+                shared = len(s) // self.block_size  # whole prompt blocks, held once however many samples
+                need = shared + (fp.steady - shared) * (1 + len(s.forks))
+            if need > self.blocks.num_blocks:
+                raise pool_too_small(need * self.block_size, self.pool.capacity_tokens)
             sched.add(s)
         while not sched.done:
             step = sched.schedule()
@@ -246,14 +253,20 @@ class Engine:
         under eviction, the tokens after ``prompt_len`` run as decode steps over the evicted cache)."""
         return scoring.score(self, token_lists, prompt_len)
 
-    def blocks_needed(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+    def _footprint(self, seq: Sequence) -> Footprint:
+        """The blocks ``seq`` holds at most; an evicting request's fall to its budget after its prefill, which the
+        continuous scheduler reserves for (static batching reserves whole reaches)."""
+        policy = self.eviction if self.sched_cfg.policy == "continuous" else None
+        return footprint(len(seq.prompt_ids), self._budget(seq), self.block_size, policy)
 
-    def _size_pool(self, budgets: list[int]) -> None:
+    def size_pool_for(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Make now the pool these requests will need (bench: so that no timed call grows it)."""
+        self._size_pool([self._footprint(s) for s in make_sequences(prompts, params, self.config.max_positions)])
+
+    def _size_pool(self, footprints: list[Footprint]) -> None:
         """Size the pool for the largest wave of this call; it is reallocated only between calls."""
         if not self.fixed_capacity:
-            need = sorted((self.blocks_needed(b) * self.block_size for b in budgets), reverse=True)
-            self._ensure_pool(sum(need[: self.max_batch]))
+            self._ensure_pool(pool_blocks(footprints, self.max_batch) * self.block_size)
 
     def _append(self, sched: Scheduler, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])

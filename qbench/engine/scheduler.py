@@ -5,7 +5,9 @@ Continuous batching with a token budget per step, in this order:
    full first evicts from the prefix cache, then preempts the newest running request (its blocks
    are released and it is recomputed later, ahead of every waiting request);
 2. the rest of a partial (chunked) prefill;
-3. new requests, first come first served, each first matched against the prefix cache.
+3. new requests, first come first served, each first matched against the prefix cache. Where requests evict
+   (``footprint_of``), a request is admitted only when the pool can still give every running request what it
+   may yet take (footprint.py): a pool sized for the eviction budgets then never preempts.
 A new request whose prompt shares an uncached block with a prefill in flight waits for that
 prefill to land in the cache, so that a shared prefix is computed once.
 
@@ -67,12 +69,13 @@ def pool_too_small(tokens: int, capacity: int) -> QBenchError:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, cache: RadixCache | None = None,
-                 budget_of=None, evicts=None):
+                 budget_of=None, evicts=None, footprint_of=None):
         self.cfg = cfg
         self.bm = blocks
         self.cache = cache
         self.budget_of = budget_of or len  # tokens a request may reach; static batching reserves them
         self.evicts = evicts or (lambda seq: False)  # requests that will evict neither read nor fill the prefix cache
+        self.footprint_of = footprint_of  # seq -> footprint.Footprint: reserve at admission (eviction)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(cfg.max_seqs))
@@ -93,6 +96,17 @@ class Scheduler:
         if self.cache is not None:
             self.cache.evict(need - self.bm.num_free)
         return need <= self.bm.num_free
+
+    def _claim(self, seq: Sequence) -> int:
+        """Blocks ``seq`` may still take: up to its peak (and its forks' shares) until its prefill is done, then up to
+        its steady footprint. An evicting request copies shared blocks before compacting, so only its own count."""
+        fp = self.footprint_of(seq)
+        target = fp.steady if seq.prefilled else fp.admitted(len(seq.forks))
+        if fp.evicts:
+            held = sum(1 for b in seq.block_table if self.bm.ref_count[b] == 1)
+        else:
+            held = len(seq.block_table)
+        return max(target - held, 0)
 
     def _preempt(self, seq: Sequence, step: Step) -> None:
         self.running.remove(seq)
@@ -160,6 +174,9 @@ class Scheduler:
                 seq.block_table, seq.num_cached = list(blocks), len(blocks) * self.bm.block_size
                 seq.cached_tokens = seq.num_cached
                 self.cached_tokens += seq.num_cached
+            if self.footprint_of is not None and not self._make_room(
+                    sum(self._claim(s) for s in self.running) + self._claim(seq)):
+                break  # it keeps its prefix-cache match while it waits, as below
             n = self._chunk(seq, budget)
             if not n:
                 break

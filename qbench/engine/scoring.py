@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from qbench.engine.footprint import Footprint, footprint
 from qbench.engine.sampling import SamplingParams
 from qbench.engine.sequence import Sequence, make_sequences
 from qbench.errors import QBenchError
@@ -44,7 +45,7 @@ def score(engine, token_lists: list[list[int]], prompt_len: int | None = None) -
 
 
 def _prefilled(engine, seqs: list[Sequence], start: int) -> list[torch.Tensor]:
-    engine._size_pool([len(s) for s in seqs])
+    engine._size_pool([footprint(len(s), len(s), engine.block_size) for s in seqs])
     out = []
     for i in range(0, len(seqs), engine.max_batch):
         wave = seqs[i: i + engine.max_batch]
@@ -63,14 +64,16 @@ def _decoded(engine, token_lists: list[list[int]], prompt_len: int) -> list[torc
     texts = [list(t) for t in token_lists]
     params = [SamplingParams(max_new_tokens=len(t) - prompt_len, ignore_eos=True) for t in texts]
     seqs = make_sequences([t[:prompt_len] for t in texts], params, engine.config.max_positions)
-    engine._size_pool([len(t) for t in texts])
+    # a wave prefills its prompts together (each its peak at once), then holds at most its budget plus one block
+    fps = [footprint(prompt_len, len(t), engine.block_size, engine.eviction) for t in texts]
+    engine._size_pool([Footprint(f.peak, f.peak, f.evicts) for f in fps])
     ev, blocks = engine.evictor, engine.blocks
     out: list[torch.Tensor] = []
     for i in range(0, len(seqs), engine.max_batch):
         wave, full = seqs[i: i + engine.max_batch], texts[i: i + engine.max_batch]
         for j, s in enumerate(wave):
             s.kv_slot = j
-            _room(engine, len(full[j]))
+            _room(engine, prompt_len)
             blocks.reserve(s, prompt_len)
         last = engine.runner.prefill(wave)  # (B, V): the prompt's last position, before any eviction
         rows = [[torch.log_softmax(last[j: j + 1], dim=-1)] for j in range(len(wave))]
