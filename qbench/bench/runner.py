@@ -131,7 +131,7 @@ def run_case(case: dict) -> dict:
             if backend == "qbench":
                 bs = 16 if scheme is None else scheme.group
                 # the pool the timed call needs, made now, so that a short warm-up runs on it (an evicting cache's
-                # holds each sequence's budget plus one block, and one whole prompt at a time: engine/footprint.py)
+                # pool holds each sequence's budget plus one block, and one whole prompt at a time: engine/footprint.py)
                 runner = Engine(model, max_batch=B, kv_scheme=scheme, block_size=bs)
                 runner.size_pool_for(prompts, SamplingParams(max_new_tokens=G, ignore_eos=True))
             else:

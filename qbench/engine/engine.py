@@ -254,8 +254,8 @@ class Engine:
         return scoring.score(self, token_lists, prompt_len)
 
     def _footprint(self, seq: Sequence) -> Footprint:
-        """The blocks ``seq`` holds at most; an evicting request's fall to its budget after its prefill, which the
-        continuous scheduler reserves for (static batching reserves whole reaches)."""
+        """The blocks ``seq`` holds at most. Under continuous batching an evicting request's fall to its budget after
+        its prefill, and the scheduler reserves that; static batching reserves whole reaches."""
         policy = self.eviction if self.sched_cfg.policy == "continuous" else None
         return footprint(len(seq.prompt_ids), self._budget(seq), self.block_size, policy)
 
