@@ -117,3 +117,32 @@ def test_a_quantized_pool_stores_leaving_blocks_between_the_write_and_attention(
             # positions 27 to 65 written one by one: blocks 0, 1 and 2 left the window (of 16 + one block)
             assert sum(calls) == 3
     assert all(torch.equal(pools[False][k], pools[True][k]) for k in pools[False])
+
+
+@pytest.mark.skipif(not build.available() or build.load().qb_isa() != 512, reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("kv", [None, KVScheme(4, 4, v_group=16, residual=48), KVScheme(8, 8, scheme="fp8")],
+                         ids=_kv_id)
+@pytest.mark.parametrize("weights", ["fp32", "w8-h8e8", "w4g128-h8e8", "w4a8g64", "w8a8", "fp8"])
+def test_a_decode_does_not_depend_on_the_native_kernels_instruction_set(tiny_models, weights, kv, monkeypatch):
+    """Every native kernel's AVX-512 path gives its AVX2 path's bits (INT8 and INT4 linears, the INT8 head and
+    table, integer activations, attention over quantized blocks), so a decode's logits and greedy tokens are the
+    same on an AVX2-only CPU; only torch's own products (prefill's dense GEMM) still follow the CPU."""
+    from qbench.engine import runner as runner_mod
+
+    model = _model(tiny_models, "qwen2", weights)
+    lib = build.load()
+    runs = {}
+    try:
+        for isa in (256, 512):
+            lib.qb_set_isa(isa)
+            seen = []
+            real = runner_mod.ModelRunner.decode
+            monkeypatch.setattr(runner_mod.ModelRunner, "decode",
+                                lambda self, seqs, real=real, seen=seen: seen.append(real(self, seqs)) or seen[-1])
+            ids, ran, _ = _decode_logits(model, kv, monkeypatch, True)
+            monkeypatch.setattr(runner_mod.ModelRunner, "decode", real)
+            runs[isa] = (ids, seen)
+    finally:
+        lib.qb_set_isa(512)
+    assert runs[256][0] == runs[512][0]
+    assert len(runs[256][1]) == 19 and all(torch.equal(a, b) for a, b in zip(runs[256][1], runs[512][1]))

@@ -100,6 +100,30 @@ def test_the_prefill_path_dequantizes_exactly_the_reference_weights(monkeypatch,
 
 
 @pytest.mark.skipif(not build.available() or build.load().qb_isa() != 512, reason="needs the native kernels on a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("N,K", [(48, 576), (40, 96), (200, 1536), (24, 77), (131, 130), (16, 3)])
+def test_the_avx512_int8_path_is_bit_identical_to_the_avx2_path(N, K):
+    # both sum each column's k in one chain, in order, with FMA, and scale once: an INT8 head's logits (and a
+    # greedy answer near a tie) must not depend on the CPU kind; whatever the rows, panels per tile or threads
+    g = torch.Generator().manual_seed(N * K)
+    lin = make_qlinear(quantize_int8(torch.randn(N, K, generator=g)), None, "native")
+    lib = build.load()
+    threads = torch.get_num_threads()
+    try:
+        for M in (1, 2, 3, 5, 7, 8, 13, 16, 17, 33):
+            x = torch.randn(M, K, generator=g) * 3
+            lib.qb_set_isa(256)
+            narrow = lin(x)
+            lib.qb_set_isa(512)
+            for nt in sorted({1, threads}):
+                torch.set_num_threads(nt)
+                assert torch.equal(lin(x), narrow), (M, nt)
+            torch.set_num_threads(threads)
+    finally:
+        lib.qb_set_isa(512)
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not build.available() or build.load().qb_isa() != 512, reason="needs the native kernels on a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("M", [1, 2, 3, 7, 16])
 @pytest.mark.parametrize("N,K", [(48, 576), (40, 97), (131, 130)])
 def test_the_int8_kernel_on_both_isas_matches_the_reference(M, N, K):

@@ -5,7 +5,7 @@
  * 1 GFLOP/s here); these kernels unpack integers to fp32 in registers instead.
  *
  * INT8: panel p holds (K, 16) int8; one fp32 scale per output column, applied once at the end. With
- * AVX-512 (qb_isa() == 512) a panel row is one zmm; the AVX2 tiles serve the other CPUs and the tests.
+ * AVX-512 (qb_isa() == 512) a panel row is one zmm; the AVX2 tiles serve the other CPUs, with the same bits.
  * FP8 (e4m3, qb_gemm_f8): the same layout and tiles with bytes widened as FP8 (panel.h, widen16), on AVX2 on
  * every CPU.
  * INT4: unsigned codes u in [0, 15], 16 fp16 scales and 16 uint8 zero points per (panel, group);
@@ -13,6 +13,7 @@
  * (the seeds): y += s * (sum_k x_k u_k - z * sum_k x_k). See qb_gemm_i4 for its layout.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -93,43 +94,89 @@ static inline __attribute__((always_inline)) void panels_i8_narrow(const int F8,
 int qb_isa(void);
 
 /* INT8 on AVX-512: a panel's 16 columns are one zmm, so each k costs one widening load, one convert and
- * one FMA per row, half the AVX2 path's instructions. Four independent accumulators per row over k hide the
- * FMA latency (24 registers at 6 rows); every tile size sums in the same order, so a row's result does not
- * depend on how many rows share its call. */
-#define U8 4  /* accumulators per row */
-static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, const float *x,
+ * one FMA per row, half the AVX2 path's instructions. Each column sums its k in one chain, in order, exactly as
+ * the AVX2 tiles do, so the two paths give the same bits (a quantized head's logits, and so a greedy answer,
+ * do not depend on the CPU kind). The FMA latency is hidden across NP panels at once instead: MT * NP
+ * independent chains (8 at one row, up to 24 at six), each a named register after unrolling. */
+static inline AVX512 __attribute__((always_inline)) void tile_i8z(const int MT, const int NP, const float *x,
                                                                 const int8_t *w, long K, const float *scale,
-                                                                float *y, long N, long nvalid) {
-    __m512 acc[6][U8];
+                                                                float *y, long N, long nlast) {
+    __m512 acc[6][8];
+    #pragma GCC unroll 6
     for (int i = 0; i < MT; i++)
-        for (int u = 0; u < U8; u++) acc[i][u] = _mm512_setzero_ps();
+        #pragma GCC unroll 8
+        for (int j = 0; j < NP; j++) acc[i][j] = _mm512_setzero_ps();
     long k = 0;
-    for (; k + U8 <= K; k += U8) {
-        if ((k & 3) == 0) PREFETCH_Q(w + k * PANEL);
+    for (; k + 4 <= K; k += 4) {
+        #pragma GCC unroll 8
+        for (int j = 0; j < NP; j++) PREFETCH_Q(w + j * K * PANEL + k * PANEL);
         #pragma GCC unroll 4
-        for (int u = 0; u < U8; u++) {
-            __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + (k + u) * PANEL))));
+        for (int u = 0; u < 4; u++)
+            #pragma GCC unroll 8
+            for (int j = 0; j < NP; j++) {
+                __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(w + j * K * PANEL + (k + u) * PANEL))));
+                #pragma GCC unroll 6
+                for (int i = 0; i < MT; i++)
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k + u]), wv, acc[i][j]);
+            }
+    }
+    for (; k < K; k++)
+        #pragma GCC unroll 8
+        for (int j = 0; j < NP; j++) {
+            __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(w + j * K * PANEL + k * PANEL))));
             #pragma GCC unroll 6
-            for (int i = 0; i < MT; i++) acc[i][u] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k + u]), wv, acc[i][u]);
+            for (int i = 0; i < MT; i++) acc[i][j] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), wv, acc[i][j]);
         }
-    }
-    for (; k < K; k++) {
-        __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k * PANEL))));
-        for (int i = 0; i < MT; i++) acc[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), wv, acc[i][0]);
-    }
-    __m512 s = _mm512_loadu_ps(scale);
-    __mmask16 m = (__mmask16)((1u << nvalid) - 1);
-    for (int i = 0; i < MT; i++) {
-        __m512 r = acc[i][0];
-        for (int u = 1; u < U8; u++) r = _mm512_add_ps(r, acc[i][u]);
-        _mm512_mask_storeu_ps(y + i * N, m, _mm512_mul_ps(r, s));
+    #pragma GCC unroll 8
+    for (int j = 0; j < NP; j++) {
+        __m512 s = _mm512_loadu_ps(scale + j * PANEL);
+        __mmask16 m = (__mmask16)((1u << (j == NP - 1 ? nlast : PANEL)) - 1);
+        #pragma GCC unroll 6
+        for (int i = 0; i < MT; i++) _mm512_mask_storeu_ps(y + i * N + j * PANEL, m, _mm512_mul_ps(acc[i][j], s));
     }
 }
 
-static AVX512 void panel_i8z(long M, const float *x, const int8_t *w, long K, const float *scale, float *y,
-                             long N, long nvalid) {
-    for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++))
-        SWITCH_ROWS(tile_rows(M, t), tile_i8z, x + m0 * K, w, K, scale, y + m0 * N, N, nvalid)
+#define Z8(mt, np) tile_i8z(mt, np, x, w, K, scale, y, N, nlast)
+#define Z4(mt) switch (np) { case 4: Z8(mt, 4); break; case 3: Z8(mt, 3); break; case 2: Z8(mt, 2); break;   \
+                             default: Z8(mt, 1); break; }
+/* Rows [0, mt) against np consecutive panels (at most 8 for one row, 4 otherwise), the last with nlast
+ * valid columns. */
+static AVX512 void panels_i8z(long mt, long np, const float *x, const int8_t *w, long K, const float *scale,
+                              float *y, long N, long nlast) {
+    switch (mt) {
+        case 1: switch (np) {
+                    case 8: Z8(1, 8); break; case 7: Z8(1, 7); break; case 6: Z8(1, 6); break;
+                    case 5: Z8(1, 5); break; default: Z4(1); break;
+                } break;
+        case 2: Z4(2); break;
+        case 3: Z4(3); break;
+        case 4: Z4(4); break;
+        case 5: Z4(5); break;
+        default: Z4(6); break;
+    }
+}
+#undef Z4
+#undef Z8
+
+/* Each thread takes a contiguous run of panels and walks it np panels at a time, every row tile against the
+ * same np panels while they are in cache. */
+static void gemm_i8z(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
+                     int nthreads) {
+    long npanels = (N + PANEL - 1) / PANEL, npmax = M == 1 ? 8 : 4;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        long T = omp_get_num_threads(), t = omp_get_thread_num();
+        long p1 = npanels * (t + 1) / T;
+        for (long p = npanels * t / T; p < p1; p += npmax) {
+            long np = p1 - p < npmax ? p1 - p : npmax, n0 = p * PANEL;
+            long nlast = p + np == npanels ? N - (npanels - 1) * PANEL : PANEL;
+            for (long m0 = 0, r = 0; m0 < M; m0 += tile_rows(M, r++))
+                panels_i8z(tile_rows(M, r), np, x + m0 * K, wp + p * K * PANEL, K, scale + n0, y + m0 * N + n0, N,
+                           nlast);
+        }
+    }
 }
 
 /* x (M, K) fp32; wp (P, K, 16) int8 or FP8 bytes; scale (P * 16) fp32 (padded); y (M, N). The AVX-512 tiles
@@ -138,8 +185,11 @@ static inline __attribute__((always_inline)) void gemm_8bit(const int F8, const 
                                                            const float *scale, float *y, long M, long K, long N,
                                                            int nthreads) {
     long npanels = (N + PANEL - 1) / PANEL;
-    int wide = !F8 && qb_isa() == 512;
-    if (!wide && M <= 2) {
+    if (!F8 && qb_isa() == 512) {
+        gemm_i8z(x, wp, scale, y, M, K, N, nthreads);
+        return;
+    }
+    if (M <= 2) {
         long np = M == 2 ? 2 : 4, ngroups = (npanels + np - 1) / np;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (long gi = 0; gi < ngroups; gi++) {
@@ -152,10 +202,6 @@ static inline __attribute__((always_inline)) void gemm_8bit(const int F8, const 
     for (long p = 0; p < npanels; p++) {
         const int8_t *w = wp + p * K * PANEL;
         long n0 = p * PANEL, nvalid = N - n0 < PANEL ? N - n0 : PANEL;
-        if (wide) {
-            panel_i8z(M, x, w, K, scale + n0, y + n0, N, nvalid);
-            continue;
-        }
         for (long m0 = 0, t = 0; m0 < M; m0 += tile_rows(M, t++)) {
             long mt = tile_rows(M, t);
             const float *xm = x + m0 * K;
