@@ -49,6 +49,18 @@ def _decode_logits(model, kv, monkeypatch, fused: bool, prompts=UNEVEN, steps=20
     return [s.output_ids for s in out], ran, eng.pool
 
 
+def _recorded_decode(model, kv, monkeypatch, fused: bool):
+    """_decode_logits, with every decode step's logits as well -> (tokens, ran, pool, logits per step)."""
+    from qbench.engine import runner as runner_mod
+
+    seen = []
+    real = runner_mod.ModelRunner.decode
+    monkeypatch.setattr(runner_mod.ModelRunner, "decode", lambda self, seqs: seen.append(real(self, seqs)) or seen[-1])
+    ids, ran, pool = _decode_logits(model, kv, monkeypatch, fused)
+    monkeypatch.setattr(runner_mod.ModelRunner, "decode", real)
+    return ids, ran, pool, seen
+
+
 def _kv_id(kv):
     return "fp32-cache" if kv is None else kv.describe()
 
@@ -64,17 +76,10 @@ CASES = ([(f, "fp32", kv) for f in FAMILIES for kv in KV]
 
 @pytest.mark.parametrize("family,weights,kv", CASES, ids=[f"{f}-{w}-{_kv_id(kv)}" for f, w, kv in CASES])
 def test_the_one_call_step_equals_the_layer_by_layer_step(tiny_models, family, weights, kv, monkeypatch):
-    from qbench.engine import runner as runner_mod
-
     model = _model(tiny_models, family, weights)
     logits = {}
     for fused in (False, True):
-        seen = logits.setdefault(fused, [])
-        real = runner_mod.ModelRunner.decode
-        monkeypatch.setattr(runner_mod.ModelRunner, "decode",
-                            lambda self, seqs, real=real, seen=seen: seen.append(real(self, seqs)) or seen[-1])
-        ids, ran, pool = _decode_logits(model, kv, monkeypatch, fused)
-        monkeypatch.setattr(runner_mod.ModelRunner, "decode", real)
+        ids, ran, pool, logits[fused] = _recorded_decode(model, kv, monkeypatch, fused)
         if fused:
             # the quantized layouts that qb_attention_kv reads in place (not the per-tensor baseline, nor 2-bit
             # codes at the tiny models' head_dim of 16: a 2-bit chunk is 32 channels)
@@ -127,20 +132,13 @@ def test_a_decode_does_not_depend_on_the_native_kernels_instruction_set(tiny_mod
     """Every native kernel's AVX-512 path gives its AVX2 path's bits (INT8 and INT4 linears, the INT8 head and
     table, integer activations, attention over quantized blocks), so a decode's logits and greedy tokens are the
     same on an AVX2-only CPU; only torch's own products (prefill's dense GEMM) still follow the CPU."""
-    from qbench.engine import runner as runner_mod
-
     model = _model(tiny_models, "qwen2", weights)
     lib = build.load()
     runs = {}
     try:
         for isa in (256, 512):
             lib.qb_set_isa(isa)
-            seen = []
-            real = runner_mod.ModelRunner.decode
-            monkeypatch.setattr(runner_mod.ModelRunner, "decode",
-                                lambda self, seqs, real=real, seen=seen: seen.append(real(self, seqs)) or seen[-1])
-            ids, ran, _ = _decode_logits(model, kv, monkeypatch, True)
-            monkeypatch.setattr(runner_mod.ModelRunner, "decode", real)
+            ids, _, _, seen = _recorded_decode(model, kv, monkeypatch, True)
             runs[isa] = (ids, seen)
     finally:
         lib.qb_set_isa(512)
