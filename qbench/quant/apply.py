@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qbench import heap
 from qbench.errors import QBenchError
 from qbench.layers.embedding import Embedding
 from qbench.models.base import CausalLM
@@ -65,22 +66,32 @@ def rtn(W: torch.Tensor, bits: int, group: int | None, symmetric: bool, type: st
     return quantize_int8(W) if bits == 8 else quantize_int4(W, group, symmetric)
 
 
-def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None) -> dict:
+def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None, H: torch.Tensor | None = None,
+            tokens: int = 0) -> dict:
+    """The error record of one quantized linear: the weights' relative error and, given its calibration inputs,
+    the output's relative error against the fp layer. With fp activations and the inputs' Hessian H = mean x x^T
+    over ``tokens`` tokens (GPTQ has it), the output's is sqrt(tr(D H D^T) / tr(W H W^T)) for D the weight error:
+    every calibration token at N K^2 instead of two products with the token subsample."""
     dq = dequantize(q).to(W.dtype)
     rec = {"module": path, "shape": list(W.shape), "weight_rel_error": ((dq - W).norm() / W.norm()).item()}
-    if X is not None:  # against the fp layer: with int8 activations, their rounding counts too
+    if H is not None and q.activations != "int8":
+        D = dq - W
+        rec["output_rel_error"] = ((D @ H * D).sum() / (W @ H * W).sum()).sqrt().item()
+        rec["output_error_tokens"] = tokens
+    elif X is not None:  # against the fp layer: with int8 activations, their rounding counts too
         ref = X @ W.t()
         Xq = fake_quantize_activations(X).to(X.dtype) if q.activations == "int8" else X
         rec["output_rel_error"] = ((Xq @ dq.t() - ref).norm() / ref.norm()).item()
+        rec["output_error_tokens"] = X.shape[0]
     return rec
 
 
 def _keep(path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None, res: QuantResult,
-          activations: str) -> None:
+          activations: str, H: torch.Tensor | None = None, tokens: int = 0) -> None:
     """Add the quantized weight of the linear at ``path`` to the result, with its error record."""
     q.activations = activations
     res.qtensors[path] = q
-    res.layers.append(_record(path, W, q, X))
+    res.layers.append(_record(path, W, q, X, H, tokens))
 
 
 def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.Tensor | None,
@@ -173,7 +184,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
     if calib is None:
         raise QBenchError(f"recipe {recipe.name}: {ws.method}"
                           f"{' with smoothquant' if recipe.smoothquant else ''} needs calibration data")
-    with torch.inference_mode():
+    with torch.inference_mode(), heap.calibration_heap():
         positions = torch.arange(calib.shape[1]).expand_as(calib)
         x = model.embed(calib, positions).to(wide.WIDE)  # (S, T, H); the calibration runs in float64: see wide.py
         t_blocks = time.perf_counter()
@@ -202,7 +213,9 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     clip = clips.get(name[len(prefix):])
                     Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
                     q = rtn(Wc, bits, group, sym, kind)
-                _keep(name, q, W, inputs[name[len(prefix):]], res, ws.linear_activations(name))
+                local_name = name[len(prefix):]
+                _keep(name, q, W, inputs[local_name], res, ws.linear_activations(name), inputs.get("H:" + local_name),
+                      inputs.get("n:" + local_name, 0))
                 _get(model, name).quantized(q)  # the widened block computes with the dequantized weights
             x = block_forward(model.config, block, x)  # the quantized block's output feeds the next block
             wide.narrow(block)

@@ -38,6 +38,22 @@ def _quant_col(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: i
     return q, (q - z) * s
 
 
+GRAM_BLOCK = 512  # columns per block of X^T X's lower triangle
+
+
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """x^T x for x (m, K), exactly symmetric. Wider than one block, only the lower triangle's column blocks are
+    multiplied and mirrored: (1 + K / 512) / 2 of the full product's work (a 4,864-wide Qwen down_proj: 56%)."""
+    K = x.shape[1]
+    if K <= GRAM_BLOCK:
+        G = x.t() @ x
+    else:
+        G = torch.empty(K, K, dtype=x.dtype)
+        for j in range(0, K, GRAM_BLOCK):  # G[j:, j:j+b] = x[:, j:]^T x[:, j:j+b]
+            torch.mm(x[:, j:].t(), x[:, j: j + GRAM_BLOCK], out=G[j:, j: j + GRAM_BLOCK])
+    return torch.tril(G) + torch.tril(G, -1).t()
+
+
 def hessian_add(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     """Running mean of x^T x over calibration tokens; x (..., K), all in float64. The reference GPTQ forms the
     product in float32, whose last bits depend on the BLAS path and thread count; float64 makes the artifact
@@ -46,7 +62,7 @@ def hessian_add(H: torch.Tensor | None, x: torch.Tensor, n: int) -> tuple[torch.
     m = x.shape[0]
     H = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64) if H is None else H
     H *= n / (n + m)
-    H += (x.t() @ x) / (n + m)
+    H += gram(x) / (n + m)
     return H, n + m
 
 

@@ -1,0 +1,131 @@
+"""The calibration's float64 passes, a run of windows at a time (passes.windows), and what keeps them cheap:
+the heap that reuses their temporaries (heap.calibration_heap), GPTQ's Gram matrix built from its lower
+triangle (gptq.gram), and output errors recorded from the Hessian (apply._record)."""
+
+import resource
+
+import pytest
+import torch
+
+from qbench import heap
+from qbench.models.registry import load_model
+from qbench.quant import gptq, passes
+from qbench.quant.apply import _record, quantize_model, rtn
+from qbench.quant.recipe import load_recipe
+
+RECIPES = {
+    "awq-clip": "weights: {bits: 4, group_size: 32, symmetric: false, method: awq}\nawq: {clip: true}\n",
+    "gptq": "weights: {bits: 4, group_size: 32, symmetric: true, method: gptq}\ngptq: {act_order: true}\n",
+    "w8a8-sq": "weights: {bits: 8, group_size: null, method: rtn, activations: int8}\n"
+               "smoothquant: {alpha: 0.5, search: true}\n",
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "qwen2", "gpt2"])
+def test_the_passes_give_the_same_bits_a_window_at_a_time(tiny_models, family, monkeypatch):
+    model = load_model(tiny_models[family][0])
+    block = model.blocks[0]
+    x = torch.randn(5, 24, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
+                    dtype=torch.float64)
+    names = ["qkv", "o_proj", "down_proj"]
+    got = []
+    for chunk in (10 ** 6, 48, 24):  # all 5 windows at once; 2, 2 and 1; one at a time
+        monkeypatch.setattr(passes, "CHUNK_TOKENS", chunk)
+        with torch.inference_mode():
+            from qbench.quant import wide
+            wide.widen(block)
+            got.append((passes.block_forward(model.config, block, x),
+                        passes.capture(model.config, block, x, names, max_tokens=64)))
+            wide.narrow(block)
+    assert len(list(passes.windows(model.config, x, 24))) == 5
+    (y0, s0), *rest = got
+    for y, s in rest:
+        assert torch.equal(y, y0)
+        assert list(s) == list(s0) and all(torch.equal(s[k], s0[k]) for k in s0 if torch.is_tensor(s0[k]))
+        assert all(s[k] == s0[k] for k in s0 if not torch.is_tensor(s0[k]))
+    assert s0["n:qkv"] == 5 * 24 and s0["qkv"].shape[0] == 64  # the subsample draws from every window
+
+
+@pytest.mark.parametrize("family, method", [("llama", "awq-clip"), ("qwen2", "w8a8-sq"), ("gpt2", "gptq"),
+                                            ("llama-tied-bias", "gptq")])
+def test_a_calibration_a_window_at_a_time_quantizes_to_the_same_bits(tiny_models, tmp_path, family, method,
+                                                                       monkeypatch):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"name: {method}\n{RECIPES[method]}"
+                      "calibration: {data: evals/data/wikitext-2-raw/wiki.valid.raw, samples: 5, seq_len: 32}\n")
+    calib = torch.randint(2, 128, (5, 32), generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunk in (10 ** 6, 32):
+        monkeypatch.setattr(passes, "CHUNK_TOKENS", chunk)
+        model = load_model(tiny_models[family][0])
+        res = quantize_model(model, load_recipe(str(recipe)), calib, log=lambda *a: None)
+        results.append((res, model.state_dict()))
+    (r0, sd0), (r1, sd1) = results
+    assert sorted(r0.qtensors) == sorted(r1.qtensors) and r0.qtensors
+    for name, q in r0.qtensors.items():
+        q1 = r1.qtensors[name]
+        for a, b in ((q.codes, q1.codes), (q.scale, q1.scale), (q.zero, q1.zero)):
+            assert (a is None and b is None) or torch.equal(a, b), name
+    for name, t in sd0.items():  # norms and biases with any smoothing folded in
+        if t.is_floating_point():
+            assert torch.equal(t, sd1[name]), name
+    assert [r["output_rel_error"] for r in r0.layers if "output_rel_error" in r] == \
+           [r["output_rel_error"] for r in r1.layers if "output_rel_error" in r]
+
+
+@pytest.mark.parametrize("K", [7, 512, 513, 1100])
+def test_the_gram_matrix_from_its_lower_triangle_is_symmetric_and_equals_the_product(K):
+    x = torch.randn(700, K, generator=torch.Generator().manual_seed(K), dtype=torch.float64)
+    G = gptq.gram(x)
+    ref = x.t() @ x
+    assert torch.equal(G, G.t())
+    assert ((G - ref).abs().max() / ref.abs().max()).item() < 1e-14
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, None)])
+def test_the_output_error_from_the_hessian_equals_the_one_from_the_inputs(bits, group):
+    g = torch.Generator().manual_seed(bits)
+    X = torch.randn(300, 96, generator=g, dtype=torch.float64) * (torch.rand(96, generator=g) * 3 + 0.1)
+    W = torch.randn(40, 96, generator=g, dtype=torch.float64) * 0.05
+    q = rtn(W.float(), bits, group, True)
+    q.activations = "fp32"
+    H, n = gptq.hessian_add(None, X, 0)
+    from_x = _record("l", W, q, X)
+    from_h = _record("l", W, q, X[:10], H, n)  # the Hessian, not the (here truncated) subsample, is used
+    assert from_h["output_error_tokens"] == 300 and from_x["output_error_tokens"] == 300
+    assert from_h["output_rel_error"] == pytest.approx(from_x["output_rel_error"], rel=1e-10)
+    assert from_x["output_rel_error"] > 1e-4
+    q.activations = "int8"  # int8 activations round the inputs: only the inputs can say what that costs
+    assert _record("l", W, q, X[:10], H, n)["output_error_tokens"] == 10
+
+
+def _faults_for_fresh_blocks(rounds: int = 6, mib: int = 16) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        t = torch.ones(mib << 17, dtype=torch.float64)  # written whole, as an operation's output is
+        del t
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2 ** 20
+
+
+def test_the_calibration_heap_reuses_freed_blocks_and_hands_them_back_after():
+    if not heap.fix_mmap_threshold():
+        pytest.skip("this C library has no mallopt")
+    pages = 6 * (16 << 20) // resource.getpagesize()
+    outside = _faults_for_fresh_blocks()
+    before = _rss_mib()
+    with heap.calibration_heap() as took:
+        assert took
+        live = [torch.ones(16 << 17, dtype=torch.float64) for _ in range(6)]  # 96 MiB at once
+        del live
+        kept = _rss_mib() - before
+        inside = _faults_for_fresh_blocks()
+    back = _rss_mib() - before
+    # a fresh mapping faults in every page (fewer where the kernel gives huge pages); a reused block, none
+    assert outside > pages // 2, (outside, pages)
+    assert inside < pages // 20, (inside, pages)
+    assert kept > 80 and back < 16, (kept, back)  # kept while calibrating, handed back after
