@@ -62,7 +62,8 @@ def capture(cfg, block, x: torch.Tensor, names: list[str], max_tokens: int, hess
 
     def hook(name):
         def fn(mod, args):
-            seen.setdefault(name, []).append(args[0].reshape(-1, args[0].shape[-1]).double())  # the calibration's precision
+            xin = args[0].reshape(-1, args[0].shape[-1]).double()  # the calibration's precision (wide.py)
+            seen.setdefault(name, []).append(xin)
             if name == "down_proj":
                 raise _Captured
         return fn
