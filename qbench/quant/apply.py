@@ -203,17 +203,17 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
             if recipe.smoothquant is not None:
                 _smoothquant_block(model, block, bi, inputs, recipe, res)
             for name in names:
+                local_name = name[len(prefix):]
                 W = _get(model, name).weight  # (N, K) float64, with any scales folded in
                 bits, group, sym, kind = ws.linear_scheme(name)
                 if ws.method == "gptq":
-                    H = inputs["H:" + name[len(prefix):]]
+                    H = inputs["H:" + local_name]
                     q = gptq.gptq_quantize(W, H, bits, group, sym, recipe.gptq.damp,
                                            recipe.gptq.block_size, recipe.gptq.act_order)
                 else:
-                    clip = clips.get(name[len(prefix):])
+                    clip = clips.get(local_name)
                     Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
                     q = rtn(Wc, bits, group, sym, kind)
-                local_name = name[len(prefix):]
                 _keep(name, q, W, inputs[local_name], res, ws.linear_activations(name), inputs.get("H:" + local_name),
                       inputs.get("n:" + local_name, 0))
                 _get(model, name).quantized(q)  # the widened block computes with the dequantized weights
