@@ -112,6 +112,7 @@ def load() -> ctypes.CDLL | None:
         "qb_gemm_f32_packed": [P, P, P, P, L, L, L, I],
         "qb_rmsnorm": [P, P, P, L, L, F, I],
         "qb_silu_mul": [P, P, L, L, I],
+        "qb_fwht": [P, L, L, L, I],
         "qb_rope": [P, P, P, P, L, L, L, L, I],
         "qb_paged_attention": [P] * 7 + [L] * 8 + [F, I],
         # q, out; B, T, nh, nkv, hd, bs, nblk; tables, qpos, qvalid, ctx, slots; W; rk, rv; window; scale;

@@ -25,6 +25,7 @@ void qb_gemm_f8(const float *x, const uint8_t *wp, const float *scale, float *y,
                 int nthreads);
 void qb_rmsnorm(const float *x, const float *w, float *y, long rows, long n, float eps, int nthreads);
 void qb_silu_mul(const float *gu, float *y, long rows, long n, int nthreads);
+void qb_fwht(float *x, long rows, long K, long b, int nthreads);
 void qb_rope(float *x, const int64_t *pos, const float *cos_t, const float *sin_t, long ntok, long nheads,
              long nrot, long hd, int nthreads);
 void qb_paged_attention(const float *q, const float *kpool, const float *vpool, const int64_t *tables,
@@ -45,6 +46,7 @@ typedef struct {
     int64_t kind, K, N, G;
     const void *w, *s, *z;
     const float *bias;
+    int64_t rot;  /* b > 0: the inputs are rotated first, x -> x H (qb_fwht) */
 } qb_lin;
 
 typedef struct {
@@ -79,7 +81,9 @@ long qb_decode_scratch(const qb_layer *L, long n) {
     return most;
 }
 
-static void linear(const qb_lin *l, const float *x, float *y, long M, int nt) {
+/* x is the layer's scratch: a rotated linear (l->rot) rotates it in place, as QuantLinear rotates a copy. */
+static void linear(const qb_lin *l, float *x, float *y, long M, int nt) {
+    if (l->rot) qb_fwht(x, M, l->K, l->rot, nt);
     if (l->kind == LIN_F32) {  /* the bias is added inside the kernel, as Linear does */
         qb_gemm_f32_packed(x, (const float *)l->w, l->bias, y, M, l->K, l->N, nt);
         return;

@@ -83,6 +83,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def fwht_(x: torch.Tensor, block: int) -> None:
+    """x (..., K) contiguous fp32, in place -> x H (``qbench.quant.hadamard.fwht``'s bits)."""
+    assert x.is_contiguous() and x.dtype == torch.float32
+    K = x.shape[-1]
+    load().qb_fwht(x.data_ptr(), x.numel() // K, K, block, torch.get_num_threads())
+
+
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, nrot: int) -> None:
     """Rotate heads [0, nrot) of x (B, T, nheads, hd) in place; cos/sin tables (P, hd/2)."""
     B, T, nheads, hd = x.shape

@@ -187,3 +187,30 @@ void qb_paged_attention(const float *q, const float *kpool, const float *vpool, 
         free(rows);
     }
 }
+
+/* x (rows, K) in place -> x H, H block-diagonal of unnormalised Sylvester Hadamard blocks of b (a power of two
+ * dividing K): the butterflies of qbench/quant/hadamard.py's fwht in its order (h = 1, 2, 4, ..; pair (i, i + h)
+ * -> (a + c, a - c)), each an exact fp32 add or subtract, so the two give the same bits. */
+void qb_fwht(float *x, long rows, long K, long b, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 4)
+    for (long r = 0; r < rows; r++) {
+        for (long s = 0; s < K; s += b) {
+            float *v = x + r * K + s;
+            long h = 1;
+            for (; h < 8 && h < b; h *= 2)
+                for (long i = 0; i < b; i += 2 * h)
+                    for (long j = i; j < i + h; j++) {
+                        float a = v[j], c = v[j + h];
+                        v[j] = a + c;
+                        v[j + h] = a - c;
+                    }
+            for (; h < b; h *= 2)  /* runs of 8 pairs: whole ymm registers */
+                for (long i = 0; i < b; i += 2 * h)
+                    for (long j = i; j < i + h; j += 8) {
+                        __m256 a = _mm256_loadu_ps(v + j), c = _mm256_loadu_ps(v + j + h);
+                        _mm256_storeu_ps(v + j, _mm256_add_ps(a, c));
+                        _mm256_storeu_ps(v + j + h, _mm256_sub_ps(a, c));
+                    }
+        }
+    }
+}

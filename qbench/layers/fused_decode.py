@@ -30,7 +30,8 @@ _P, _L, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class Lin(ctypes.Structure):
-    _fields_ = [("kind", _L), ("K", _L), ("N", _L), ("G", _L), ("w", _P), ("s", _P), ("z", _P), ("bias", _P)]
+    _fields_ = [("kind", _L), ("K", _L), ("N", _L), ("G", _L), ("w", _P), ("s", _P), ("z", _P), ("bias", _P),
+                ("rot", _L)]
 
 
 class Layer(ctypes.Structure):
@@ -61,10 +62,10 @@ def linear_desc(lin) -> Lin | None:
     if lin.bits == 8:
         kind = LIN_F8 if lin.type == "float" else LIN_I8A8 if lin.activations == "int8" else LIN_I8
         return Lin(kind, lin.in_features, lin.out_features, 0, _ptr(lin.panels), _ptr(lin.scale32), 0,
-                   _ptr(bias))
+                   _ptr(bias), lin.hadamard)
     kind = LIN_I4A8 if lin.activations == "int8" else LIN_I4
     return Lin(kind, lin.in_features, lin.out_features, lin.group_size, _ptr(lin.panels), _ptr(lin.scales16),
-               _ptr(lin.zeros8), _ptr(bias))
+               _ptr(lin.zeros8), _ptr(bias), lin.hadamard)
 
 
 def _pool_fields(cache) -> dict | None:

@@ -17,7 +17,7 @@ from qbench import heap
 from qbench.errors import QBenchError
 from qbench.layers.embedding import Embedding
 from qbench.models.base import CausalLM
-from qbench.quant import awq, gptq, smoothing, wide
+from qbench.quant import awq, block_scales, gptq, hadamard, wide
 from qbench.quant.passes import block_forward, capture, progress
 from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, quantize_fp8, quantize_int4, \
     quantize_int8
@@ -101,6 +101,13 @@ def _replace(model: CausalLM, path: str, q: QTensor, W: torch.Tensor, X: torch.T
     model.set_submodule(path, make_qlinear(q, _get(model, path).bias))
 
 
+def _rotation(model: CausalLM, recipe: Recipe, path: str) -> int:
+    """The Hadamard block of the decoder linear ``path``'s online rotation, 0 for none."""
+    if path == "lm_head" or not recipe.weights.linear_hadamard(path):
+        return 0
+    return hadamard.block_for(_get(model, path).weight.shape[1])
+
+
 def _head_scheme(model: CausalLM, recipe: Recipe) -> tuple | None:
     """The head's (bits, group, symmetric) when this recipe quantizes it (a skip list can keep it fp)."""
     return recipe.weights.head_scheme() if "lm_head" in targets(model, recipe) else None
@@ -162,6 +169,11 @@ def check_recipe(model: CausalLM, recipe: Recipe) -> None:
         raise QBenchError(f"recipe {recipe.name}: weights.embedding: {ws.embedding} on a model with tied embeddings "
                           f"would change its output head too; quantize the head as well (weights.lm_head) or "
                           f"keep the embedding fp32")
+    for p in targets(model, recipe):
+        if recipe.weights.linear_hadamard(p) and p != "lm_head" and _rotation(model, recipe, p) == 0:
+            k = _get(model, p).weight.shape[1]
+            raise QBenchError(f"recipe {recipe.name}: weights.hadamard: {p} has {k} inputs, which no power-of-two "
+                              f"block of {hadamard.MIN_BLOCK} to {hadamard.MAX_BLOCK} divides; leave it unrotated")
 
 
 def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, log=print) -> QuantResult:
@@ -178,7 +190,12 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                 _head_rtn(model, recipe, res)
                 continue
             W = _get(model, path).weight.float()
-            _replace(model, path, rtn(W, *ws.linear_scheme(path)), W, None, res, ws.linear_activations(path))
+            rot = _rotation(model, recipe, path)
+            if rot:
+                W = hadamard.rotate_weight(W, rot)
+            q = rtn(W, *ws.linear_scheme(path))
+            q.hadamard = rot
+            _replace(model, path, q, W, None, res, ws.linear_activations(path))
         res.seconds = time.perf_counter() - t0
         return res
     if calib is None:
@@ -197,15 +214,21 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                              hessian=ws.method == "gptq", maxima=recipe.smoothquant is not None)
             clips = {}
             if ws.method == "awq":
-                _awq_block(model, block, bi, inputs, recipe, res)
+                block_scales.awq_block(model, block, bi, inputs, recipe, res)
                 if recipe.awq.clip:
-                    clips = _awq_clip_block(block, bi, local, inputs, recipe, res)
+                    clips = block_scales.awq_clip_block(block, bi, local, inputs, recipe, res)
             if recipe.smoothquant is not None:
-                _smoothquant_block(model, block, bi, inputs, recipe, res)
+                block_scales.smoothquant_block(model, block, bi, inputs, recipe, res)
             for name in names:
                 local_name = name[len(prefix):]
                 W = _get(model, name).weight  # (N, K) float64, with any scales folded in
                 bits, group, sym, kind = ws.linear_scheme(name)
+                rot = _rotation(model, recipe, name)
+                if rot:  # quantized as W H / b against inputs x H, which the widened linear will compute
+                    W = hadamard.rotate_weight(W, rot)
+                    inputs[local_name] = hadamard.fwht(inputs[local_name], rot)
+                    if "H:" + local_name in inputs:
+                        inputs["H:" + local_name] = hadamard.rotate_hessian(inputs["H:" + local_name], rot)
                 if ws.method == "gptq":
                     H = inputs["H:" + local_name]
                     q = gptq.gptq_quantize(W, H, bits, group, sym, recipe.gptq.damp,
@@ -214,6 +237,7 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
                     clip = clips.get(local_name)
                     Wc = W if clip is None else awq.apply_clip(W, clip, group if bits == 4 else None)
                     q = rtn(Wc, bits, group, sym, kind)
+                q.hadamard = rot
                 _keep(name, q, W, inputs[local_name], res, ws.linear_activations(name), inputs.get("H:" + local_name),
                       inputs.get("n:" + local_name, 0))
                 _get(model, name).quantized(q)  # the widened block computes with the dequantized weights
@@ -225,75 +249,3 @@ def quantize_model(model: CausalLM, recipe: Recipe, calib: torch.Tensor | None, 
             _head_rtn(model, recipe, res)
     res.seconds = time.perf_counter() - t0
     return res
-
-
-def _awq_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantResult) -> None:
-    """Search and fold AWQ scales for one Llama block; updates the captured inputs to match."""
-    ws = recipe.weights
-    for smooth, balance, xname in smoothing.mappings(model.config):
-        if xname not in inputs:
-            continue
-        X = inputs[xname]
-        W = torch.cat([block.get_submodule(b).weight for b in balance])
-        bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{balance[0]}")  # one fused linear per mapping
-        s, rec = awq.search_scales(X, W, bits, group, sym, recipe.awq.grid)
-        rec.update({"block": bi, "smooth": smooth, "balance": balance})
-        res.layers.append({"module": f"blocks.{bi}.{balance[0]}", "awq": rec})
-        _fold(block, smooth, balance, s, inputs, xname)
-
-
-def _awq_clip_block(block, bi: int, names: list[str], inputs: dict, recipe: Recipe, res: QuantResult) -> dict:
-    """AWQ's clipping search for each linear of one block, after its scales are folded, as llm-awq runs it:
-    the clip values (N, ngroups) per linear name. q and k are left unclipped (llm-awq skips them: their
-    rounding reaches the attention scores, which a group's output MSE does not see), so a fused qkv is
-    searched on its v rows only."""
-    ws = recipe.weights
-    out = {}
-    for name in names:
-        bits, group, sym, _ = ws.linear_scheme(f"blocks.{bi}.{name}")
-        group = group if bits == 4 else None
-        W = block.get_submodule(name).weight
-        rows = slice(0, W.shape[0])
-        if name == "qkv":
-            rows = slice((block.nh + block.nkv) * block.hd, W.shape[0])
-        clip, rec = awq.search_clip(inputs[name], W[rows], bits, group, sym, recipe.awq.grid)
-        full = torch.full((W.shape[0], clip.shape[1]), float("inf"), dtype=clip.dtype)
-        full[rows] = clip
-        out[name] = full
-        res.layers.append({"module": f"blocks.{bi}.{name}", "awq_clip": dict(rec, rows=[rows.start, rows.stop])})
-    return out
-
-
-def _smoothquant_block(model, block, bi: int, inputs: dict, recipe: Recipe, res: QuantResult) -> None:
-    """SmoothQuant's scales for one Llama block, from every calibration token's per-channel max |x|, with the
-    recipe's alpha or the best one of ``smoothing.ALPHA_GRID`` per mapping; folded as AWQ's are."""
-    ws, sq, cfg = recipe.weights, recipe.smoothquant, model.config
-    for smooth, balance, xname in smoothing.mappings(cfg, shared_v=True):
-        if xname not in inputs:
-            continue
-        name = f"blocks.{bi}.{balance[0]}"
-        if ws.linear_activations(name) != "int8":
-            continue  # smoothing serves int8 inputs; it would only cost the weights of a linear that meets fp32
-        X, x_max = inputs[xname], inputs["max:" + xname]
-        W = torch.cat([block.get_submodule(b).weight for b in balance])
-        tie = (lambda t: smoothing.tie_groups(t, cfg.num_kv_heads, cfg.head_dim)) if smooth == "v" else None
-        rec = {"block": bi, "smooth": smooth, "balance": balance, "alpha": sq.alpha}
-        if sq.search:
-            bits, group, sym, _ = ws.linear_scheme(name)
-            _, found = smoothing.search_alpha(X, x_max, W, bits, group, sym, tie=tie)
-            rec.update(found)
-        s = smoothing.smoothquant_scales(x_max, W, rec["alpha"], tie)
-        rec["outlier_ratio_before"] = (x_max.max() / x_max.median().clamp(min=1e-8)).item()  # max / median of
-        rec["outlier_ratio_after"] = ((x_max / s).max() / (x_max / s).median().clamp(min=1e-8)).item()  # max|x_j|
-        res.layers.append({"module": f"blocks.{bi}.{balance[0]}", "smoothquant": rec})
-        _fold(block, smooth, balance, s, inputs, xname)
-
-
-def _fold(block, smooth: str, balance: list[str], s: torch.Tensor, inputs: dict, xname: str) -> None:
-    """Fold s into the block and update the captured inputs to match: the balance layers now see x / s."""
-    smoothing.fold(block, smooth, balance, s)
-    inputs[xname] = inputs[xname] / s
-    if "max:" + xname in inputs:
-        inputs["max:" + xname] = inputs["max:" + xname] / s
-    if "H:" + xname in inputs:
-        inputs["H:" + xname] = inputs["H:" + xname] / torch.outer(s, s)

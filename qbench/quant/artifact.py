@@ -145,12 +145,17 @@ class QuantFactory:
         if (stored == torch.float8_e4m3fn) != (kind == "float"):
             raise QBenchError(f"{self.where}: {key}.qweight is {stored}, the manifest says {kind} {bits}-bit; "
                               f"re-create the artifact")
+        rot = scheme.get("hadamard", 0)
+        if rot and (type(rot) is not int or rot < 2 or rot & (rot - 1) or k % rot or kind != "int"):
+            raise QBenchError(f"{self.where}: {MANIFEST} gives {key} a Hadamard rotation of {rot!r} on {k} inputs, "
+                              f"which qbench never writes (a power of two dividing the inputs, integer codes); "
+                              f"the manifest was edited or damaged: re-create the artifact")
         if kind == "float":  # the loader has checked the codes are finite (no e4m3 NaN byte)
             codes = got[".qweight"].view(torch.uint8)
         else:
             codes = unpack_int4(got[".qweight"]) if bits == 4 else got[".qweight"].to(torch.int8)
         return QTensor(bits, codes, got[".scales"].half(), got[".zeros"].to(torch.uint8) if not sym else None,
-                       group if bits == 4 else None, (n, k), acts, kind)
+                       group if bits == 4 else None, (n, k), acts, kind, rot)
 
     def __call__(self, w: Weights, names: list[str], shapes: list[tuple[int, int]], conv1d: bool = False):
         keys = [self._key(w, n) for n in names]
@@ -160,12 +165,12 @@ class QuantFactory:
         if any(k is None for k in keys):
             raise QBenchError(f"{self.where}: {names} are fused at run time but only some are quantized")
         qs = [self.qtensor(w, key, n, k) for key, (n, k) in zip(keys, shapes)]
-        if len({(x.bits, x.group_size, x.symmetric, x.activations, x.type) for x in qs}) > 1:
+        if len({(x.bits, x.group_size, x.symmetric, x.activations, x.type, x.hadamard) for x in qs}) > 1:
             raise QBenchError(f"{self.where}: {names} are fused at run time but stored under different schemes")
         q = qs[0] if len(qs) == 1 else QTensor(
             qs[0].bits, torch.cat([x.codes for x in qs]), torch.cat([x.scale for x in qs]),
             None if qs[0].zero is None else torch.cat([x.zero for x in qs]), qs[0].group_size,
-            (sum(x.shape[0] for x in qs), qs[0].shape[1]), qs[0].activations, qs[0].type)
+            (sum(x.shape[0] for x in qs), qs[0].shape[1]), qs[0].activations, qs[0].type, qs[0].hadamard)
         biases = [w.maybe(n + ".bias") for n in names]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else torch.zeros(s[0]) for b, s in zip(biases, shapes)])

@@ -24,7 +24,7 @@ def split_rows(q: QTensor, parts: list[tuple[str, int]]) -> dict[str, QTensor]:
     for name, n in parts:
         rows = slice(r, r + n)
         out[name] = QTensor(q.bits, q.codes[rows], q.scale[rows], None if q.zero is None else q.zero[rows],
-                            q.group_size, (n, q.shape[1]), q.activations, q.type)
+                            q.group_size, (n, q.shape[1]), q.activations, q.type, q.hadamard)
         r += n
     return out
 
@@ -71,6 +71,8 @@ def tensor_scheme(q: QTensor) -> dict:
         scheme["activations"] = q.activations
     if q.type != "int":
         scheme["type"] = q.type
+    if q.hadamard:
+        scheme["hadamard"] = q.hadamard
     return scheme
 
 

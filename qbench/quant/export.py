@@ -98,6 +98,11 @@ def run_export(artifact: Path, fmt: str, out: Path, force: bool = False) -> Path
         raise QBenchError(f"{artifact}: its embedding table is INT8, which compressed-tensors' pack-quantized "
                           f"format (linear layers only) cannot hold; export a recipe with embedding fp32, fp16 or "
                           f"bf16, or use --format native")
+    rotated = sorted(n for n, info in manifest["quantized"].items() if (info.get("scheme") or {}).get("hadamard"))
+    if rotated:
+        raise QBenchError(f"{artifact}: {rotated[0]} (and {len(rotated) - 1} more) holds W H / b for inputs rotated "
+                          f"online by a Hadamard transform, which compressed-tensors' pack-quantized layout does not "
+                          f"describe; export a recipe without weights.hadamard, or use --format native")
     if any((info.get("scheme") or {}).get("activations", "fp32") != "fp32" for info in manifest["quantized"].values()):
         raise QBenchError(f"{artifact}: its linears take INT8 activations (W4A8 or W8A8), which this export would "
                           f"not reproduce: compressed-tensors rounds dynamic per-token INT8 on a grid of absmax / "

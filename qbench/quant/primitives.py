@@ -34,6 +34,7 @@ class QTensor:
     shape: tuple[int, int]  # (N, K) before padding
     activations: str = "fp32"  # or "int8": the inputs are quantized per token before they meet the codes
     type: str = "int"  # or "float": 8-bit codes are FP8 e4m3 bytes (uint8), not integers
+    hadamard: int = 0  # b > 0: the codes are of W H / b and the inputs meet them as x H (hadamard.py)
 
     @property
     def symmetric(self) -> bool:

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
-from qbench.kernels.ops import dequant_f8, dequant_i4, dequant_i8
+from qbench.kernels.ops import dequant_f8, dequant_i4, dequant_i8, fwht_
 from qbench.layers.linear import dense_by_slabs, takes_dense
+from qbench.quant.hadamard import fwht
 from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations, padded_width, \
     scheme_fits
 
@@ -56,6 +57,7 @@ class QuantLinear(torch.nn.Module):
             self.impl = "aten"
         self.bits, self.group_size, self.type = q.bits, q.group_size, q.type
         self.activations = q.activations  # "int8": every path multiplies per-token int8 activations (W4A8, W8A8)
+        self.hadamard = q.hadamard  # b > 0: every path first rotates the inputs, x -> x H (quant/hadamard.py)
         if not scheme_fits(q.bits, q.activations, q.type):
             raise ValueError(f"{self.activations} activations with {q.bits}-bit weights are not supported "
                              f"(activations are fp32 or int8; weights INT4 or INT8)")
@@ -81,7 +83,17 @@ class QuantLinear(torch.nn.Module):
         return fake_quantize_activations(x) if self.activations == "int8" else x
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
+        if self.hadamard:
+            x = fwht(x.float(), self.hadamard)
         return F.linear(self._act(x), dequantize(self.q), self.bias)
+
+    def _rotate(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 (M, K) fp32 -> x2 H, a new tensor (the caller's input is left alone)."""
+        if self.impl != "native":
+            return fwht(x2, self.hadamard)
+        x2 = x2.clone()
+        fwht_(x2, self.hadamard)
+        return x2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "reference":
@@ -89,6 +101,8 @@ class QuantLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
+        if self.hadamard:
+            x2 = self._rotate(x2)
         y = self._matmul(x2, takes_dense(x) and not self._integer_prefill())
         bias = self._parameters.get("bias")  # None: no bias (then a plain attribute)
         if bias is not None:

@@ -62,13 +62,15 @@ class Override:
     ``blocks.3.qkv``, ``blocks.*.down_proj`` or ``blocks.0.*`` for a whole block). Fields left out keep the
     base scheme's; ``fp: true`` keeps the matched linears in full precision. The output head has its own
     field (``lm_head``) and is never matched. ``activations`` sets the matched linears' inputs apart from the
-    base's (``fp32`` keeps, for example, ``down_proj`` at W8A16 in a W8A8 recipe)."""
+    base's (``fp32`` keeps, for example, ``down_proj`` at W8A16 in a W8A8 recipe). ``hadamard`` rotates the
+    matched linears' inputs online (quant/hadamard.py; ``down_proj`` in a W8A8 recipe)."""
     match: str = ""
     bits: int | None = None
     group_size: int | None = None
     symmetric: bool | None = None
     fp: bool = False
     activations: str | None = None
+    hadamard: bool | None = None
 
     def validate(self, where: str, section: str) -> None:
         if not isinstance(self.match, str) or not self.match:
@@ -76,9 +78,11 @@ class Override:
                               f"blocks.*.down_proj")
         if not isinstance(self.fp, bool):
             raise RecipeError(f"{where}: {section}.fp: {self.fp!r} must be true or false")
-        if self.fp and (self.bits, self.group_size, self.symmetric, self.activations) != (None,) * 4:
+        if self.fp and (self.bits, self.group_size, self.symmetric, self.activations, self.hadamard) != (None,) * 5:
             raise RecipeError(f"{where}: {section}: fp: true keeps the linears in full precision; drop bits, "
-                              f"group_size, symmetric and activations")
+                              f"group_size, symmetric, activations and hadamard")
+        if self.hadamard is not None and not isinstance(self.hadamard, bool):
+            raise RecipeError(f"{where}: {section}.hadamard: {self.hadamard!r} must be true or false")
         if self.activations is not None and self.activations not in ACTIVATIONS:
             raise RecipeError(f"{where}: {section}.activations: {self.activations!r} is not supported (supported: "
                               f"{', '.join(ACTIVATIONS)})")
@@ -105,6 +109,7 @@ class WeightScheme:
     activations: str = "fp32"  # int8: per-token int8 inputs for every quantized linear, the head too (W4A8, W8A8)
     type: str = "int"  # float: FP8 e4m3 codes per output channel (bits: 8), fp32 activations (W8A16)
     overrides: tuple[Override, ...] = ()  # per-linear schemes by name pattern over this base; the last match wins
+    hadamard: bool = False  # true: every decoder linear's inputs rotated online (quant/hadamard.py); the head never
 
     def validate(self, where: str) -> None:
         _check_int_scheme(where, "weights", self.bits, self.group_size, self.symmetric)
@@ -123,6 +128,12 @@ class WeightScheme:
         elif not isinstance(self.lm_head, bool):
             raise RecipeError(f"{where}: weights.lm_head: {self.lm_head!r} must be true, false or a mapping "
                               f"{{bits, group_size, symmetric}}")
+        if not isinstance(self.hadamard, bool):
+            raise RecipeError(f"{where}: weights.hadamard: {self.hadamard!r} must be true or false")
+        if self.hadamard or any(o.hadamard for o in self.overrides):
+            if self.type != "int" or self.method == "awq":
+                raise RecipeError(f"{where}: weights.hadamard: the rotation takes integer weights by rtn or gptq "
+                                  f"(AWQ folds its own scales into the same inputs; FP8 has no rotated kernel)")
         if self.embedding not in EMBEDDING_SCHEMES:
             raise RecipeError(f"{where}: weights.embedding: {self.embedding!r} is not supported (supported: "
                               f"{', '.join(EMBEDDING_SCHEMES)})")
@@ -164,6 +175,12 @@ class WeightScheme:
         o = self._last_match(path)
         return (o.activations if o is not None else None) or self.activations
 
+    def linear_hadamard(self, path: str) -> bool:
+        """Whether the decoder linear ``path``'s inputs are rotated online: the deciding override's say when it
+        has one, else the base scheme's."""
+        o = self._last_match(path)
+        return o.hadamard if o is not None and o.hadamard is not None else self.hadamard
+
     def head_scheme(self) -> tuple[int, int | None, bool, str] | None:
         """(bits, group_size, symmetric, type) of the output head, or None when it stays in full precision."""
         if isinstance(self.lm_head, HeadScheme):
@@ -174,7 +191,7 @@ class WeightScheme:
 def overrides_from_list(raw, where: str) -> tuple[Override, ...]:
     if not isinstance(raw, list):
         raise RecipeError(f"{where}: weights.overrides: must be a list of mappings {{match, bits, group_size, "
-                          f"symmetric, activations, fp}}")
+                          f"symmetric, activations, hadamard, fp}}")
     out = []
     for i, item in enumerate(raw):
         check_keys(where, f"weights.overrides[{i}]", item, Override)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from qbench.layers.linear import Linear
 from qbench.layers.norm import LayerNorm, RMSNorm
+from qbench.quant.hadamard import fwht
 from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activations
 from qbench.quant.qlinear import make_qlinear
 
@@ -48,11 +49,14 @@ class WideLinear(torch.nn.Module):
 
     def quantized(self, q: QTensor) -> None:
         """From now on compute what the quantized linear computes: its dequantized weights, and its inputs on
-        the int8 grid when its activations are int8 (rounded as the kernels round them, from float32)."""
+        the int8 grid when its activations are int8 (rounded as the kernels round them, from float32), after
+        the Hadamard rotation when it has one."""
         self.q = q
         self.w = dequantize(q).to(WIDE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q is not None and self.q.hadamard:  # its dequantized weights are W H / b: they meet x H
+            x = fwht(x, self.q.hadamard)
         if self.q is not None and self.q.activations == "int8":
             x = fake_quantize_activations(x).to(WIDE)
         return F.linear(x, self.w, self.bias)
