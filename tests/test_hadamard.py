@@ -260,3 +260,15 @@ def test_the_widened_linear_computes_what_the_rotated_linear_does(acts):
     torch.testing.assert_close(wide(x.double()).float(), want, rtol=1e-5, atol=1e-4)
     exact = x @ W.t()
     assert ((want - exact).norm() / exact.norm()).item() < 0.02  # and that is close to x W^T
+
+
+def test_tensor_parallel_refuses_a_rotated_artifact_with_one_line(tiny_models, tmp_path):
+    """Every linear rotated is one scheme, which tensor parallelism would otherwise take: a rank's slice of a
+    row-parallel input (SmolLM2's down_proj: 768 of 1,536 on 2 ranks) need not hold whole blocks of 512."""
+    from qbench.quant.artifact import load_artifact
+    from qbench.quant.quantize import run_quantize
+    run_quantize(str(tiny_models["llama"][0]), _recipe(tmp_path, "{bits: 8, group_size: null, hadamard: true}"),
+                 tmp_path / "a", log=lambda s: None)
+    with pytest.raises(QBenchError, match="tensor parallel: .* rotates the inputs of model.layers.0.* online .weights.hadamard"):
+        load_artifact(tmp_path / "a", torch.float32, shard=lambda cfg, t, scheme: (cfg, t))
+    load_artifact(tmp_path / "a", torch.float32)  # one process: accepted

@@ -217,6 +217,11 @@ def load_artifact(folder: Path, dtype: torch.dtype = torch.float32, shard=None) 
                                   f"does not match the weights: re-create the artifact")
     ModelConfig.from_folder(folder)
     if shard is not None:
+        rotated = sorted(n for n, info in manifest.get("quantized", {}).items() if scheme_of(scheme, info).get("hadamard"))
+        if rotated:
+            raise QBenchError(f"tensor parallel: {folder} rotates the inputs of {rotated[0]} online (weights.hadamard), "
+                              f"and a rank's slice of a row-parallel input need not hold whole rotation blocks; run it "
+                              f"in one process")
         layer_schemes = {json.dumps(scheme_of(scheme, info), sort_keys=True)
                          for name, info in manifest.get("quantized", {}).items() if not name.startswith("lm_head")}
         if len(layer_schemes) > 1:
