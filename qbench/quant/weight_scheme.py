@@ -81,8 +81,6 @@ class Override:
         if self.fp and (self.bits, self.group_size, self.symmetric, self.activations, self.hadamard) != (None,) * 5:
             raise RecipeError(f"{where}: {section}: fp: true keeps the linears in full precision; drop bits, "
                               f"group_size, symmetric, activations and hadamard")
-        if self.hadamard is not None and not isinstance(self.hadamard, bool):
-            raise RecipeError(f"{where}: {section}.hadamard: {self.hadamard!r} must be true or false")
         if self.activations is not None and self.activations not in ACTIVATIONS:
             raise RecipeError(f"{where}: {section}.activations: {self.activations!r} is not supported (supported: "
                               f"{', '.join(ACTIVATIONS)})")
@@ -128,8 +126,6 @@ class WeightScheme:
         elif not isinstance(self.lm_head, bool):
             raise RecipeError(f"{where}: weights.lm_head: {self.lm_head!r} must be true, false or a mapping "
                               f"{{bits, group_size, symmetric}}")
-        if not isinstance(self.hadamard, bool):
-            raise RecipeError(f"{where}: weights.hadamard: {self.hadamard!r} must be true or false")
         if self.hadamard or any(o.hadamard for o in self.overrides):
             if self.type != "int" or self.method == "awq":
                 raise RecipeError(f"{where}: weights.hadamard: the rotation takes integer weights by rtn or gptq "
