@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from qbench import heap
 from qbench.layers.attention import AttnMetadata, build_mask, uses_kernel
 from qbench.layers.fused_decode import FusedDecoder
 from qbench.layers.kv import BlockKV
@@ -65,8 +66,11 @@ class CausalLM(torch.nn.Module):
         in_place = getattr(c0, "native", True) or (input_ids.shape[1] == 1 and getattr(c0, "decode_kernel", False))
         if caches is None or not uses_kernel(meta, x.dtype) or not in_place:
             mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
-        for i, block in enumerate(self.blocks):
-            x = block(x, mask, meta, None if caches is None else caches[i])
+        # each layer's temporaries reuse the memory of the last layer's (heap.scratch); the logits, which may
+        # be (B, T, V) and outlive the pass, are left out
+        with heap.scratch():
+            for i, block in enumerate(self.blocks):
+                x = block(x, mask, meta, None if caches is None else caches[i])
         return self._logits(x, logits_index)
 
     def _logits(self, x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
