@@ -53,7 +53,9 @@ def scratch(mappings: bool = False):
     A forward pass allocates and frees the same temporaries for each layer (a 1,024-token prefill of
     SmolLM2: about 35 MiB a layer, 30 layers). Each as its own mapping is faulted in and zeroed by the
     kernel again each time: that cost a W8A8 prefill of 1,024 tokens on SmolLM2 half of its time (0.89 s
-    against 0.45 s from the heap, 2-core Xeon) and a batch of 16 x 512 tokens 43% (6.5 s against 3.7 s).
+    against 0.46 s from the heap, 2-core Xeon) and a batch of 16 x 512 tokens 40% (6.5 s against 3.9 s).
+    Blocks of 32 MiB and more come from the heap too (Qwen's gate_up output at 1,024 tokens is 40 MB): a
+    1,024-token W8A8 prefill of Qwen took 1.15 s with them as mappings and 1.01 s without.
     From the heap they are reused as they are, and handed back once the pass is over: between passes the
     heap keeps nothing, and during one about what a layer's temporaries need, which the pass held live at
     its peak anyway (peak RSS within 5% either way: README, "Memory")."""
