@@ -58,7 +58,7 @@ def scratch(mappings: bool = False):
     1,024-token W8A8 prefill of Qwen took 1.15 s with them as mappings and 1.01 s without.
     From the heap they are reused as they are, and handed back once the pass is over: between passes the
     heap keeps nothing, and during one about what a layer's temporaries need, which the pass held live at
-    its peak anyway (peak RSS within 5% either way: README, "Memory")."""
+    its peak anyway (bench's peak RSS within 2% either way: README, "Memory")."""
     global _depth
     ok = True
     if _depth == 0:

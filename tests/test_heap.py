@@ -63,7 +63,7 @@ def test_a_model_forward_runs_inside_scratch(tiny_models, monkeypatch):
     model.blocks[0].register_forward_pre_hook(lambda mod, args: depths.append(heap._depth))
     calls = _record_calls(monkeypatch)
     Engine(model, max_batch=2).generate([[5, 6, 7, 8], [9, 10]], SamplingParams(max_new_tokens=3, ignore_eos=True))
-    assert depths and all(d == 1 for d in depths)  # the prefill and the layer-by-layer or one-call decode steps
+    assert depths and all(d == 1 for d in depths)  # every pass that runs the blocks one by one (the prefill here)
     assert calls.count("release") >= 1 and heap._depth == 0
 
 
