@@ -134,8 +134,9 @@ W8A8 = "native INT8 x INT8-activation GEMM (W8A8), AVX2"
 A8_VNNI = "native INT8-activation GEMMs (W4A8, W8A8), AVX-512 VNNI (vpdpbusd)"
 A8_AMX = "native INT8-activation GEMMs (W4A8, W8A8), AMX tiles (tdpbusd, tdpbsud)"
 FP8W = "native FP8 e4m3 weight GEMM (W8A16), AVX2 on every CPU"
-DEQUANT = "native int8/int4/fp8 dequantize for prefill-sized rows (then oneDNN)"
+DEQUANT = "native int8/int4/fp8 dequantize for prefill-sized rows (then the fp32 panel GEMM)"
 FP32 = "native fp32 kernels, AVX2 (GEMM, RMSNorm, RoPE, SiLU, paged attention)"
+FP32_512 = "native fp32 panel GEMM, AVX-512 (the AVX2 tiles' bits)"
 KV_ATTN = "native attention over quantized, FP8, fp16 and bf16 KV blocks"
 GPTQ = "native GPTQ column loop (float64, bit for bit the torch loop)"
 FUSED = "native one-call decode step (every layer of a step in qb_decode_layers)"
@@ -161,6 +162,8 @@ def _path_of(name: str, dll, args) -> str:
         return FP8W
     if name == "qb_attention_kv":
         return KV_ATTN
+    if name in ("qb_gemm_f32_packed", "qb_gemm_f32_panels"):
+        return FP32_512 if dll.qb_isa() == 512 else FP32
     if name == "qb_decode_layers":
         return FUSED
     if name == "qb_gptq_block":
@@ -215,7 +218,7 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, GPTQ] + ([INT_VNNI] if lib._dll.qb_isa() == 512 else []) \
+    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, GPTQ] + ([INT_VNNI, FP32_512] if lib._dll.qb_isa() == 512 else []) \
         + ([A8_VNNI] if lib._dll.qb_a8_wide() else []) + ([A8_AMX] if lib._dll.qb_a8_amx() else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 

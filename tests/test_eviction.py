@@ -8,6 +8,7 @@ import torch
 
 from qbench.engine.engine import Engine
 from qbench.engine.sampling import SamplingParams
+from qbench.engine.scoring import log_softmax
 from qbench.errors import QBenchError
 from qbench.layers import eviction as ev
 from qbench.layers.kvscheme import KVScheme
@@ -383,7 +384,7 @@ def test_scoring_under_eviction_equals_the_decode_steps_of_a_generation(llama, p
     assert eng.pool.num_blocks == 2 * 6  # the two 96-token prompts, then 24 kept + one block: not 135-token texts
     for text, s, lp in zip(texts, seqs, together):
         assert lp.shape == (len(text) - 95, llama.config.vocab_size)  # from the prompt's last position on
-        want = {start: torch.log_softmax(lg, dim=-1) for start, lg in s.trace}
+        want = {start: log_softmax(lg) for start, lg in s.trace}  # the engine's own log-probs of those logits
         for p in range(96, len(text)):
             assert torch.equal(lp[p - 95], want[p][0]), p
         # the prompt's last row: its prefill, before any eviction (the head on that one row here, on every row

@@ -109,41 +109,100 @@ def test_fused_layer_ops_match_torch():
     assert torch.equal(out[:, :, 4], qkv[:, :, 4])  # v heads are not rotated
 
 
+def _fma_chain(x: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The slow, obviously fixed order: y[m, n] = fma(x[m, k], W[n, k], y) for k = 0, 1, .., K-1 from zero, then
+    + b, in float32, one k at a time over whole columns. Each step is rounded once to float32 from float64,
+    where x * W is exact; the float64 sum with y is exact too unless their exponents lie far apart, so this
+    is a fused multiply-add but for a rare double rounding."""
+    y = torch.zeros(x.shape[0], W.shape[0], dtype=torch.float32)
+    xd, Wd = x.double(), W.double()
+    for k in range(x.shape[1]):
+        y = (y.double() + xd[:, k:k + 1] * Wd[:, k][None, :]).float()
+    return y + (0 if b is None else b)
+
+
 @needs_kernel
-@pytest.mark.parametrize("slab", [None, 64 * 48])  # one dense weight, or slabs of 64 columns (the last partial)
+@pytest.mark.parametrize("N,K", [(100, 48), (131, 1100), (40, 7)])
+def test_panel_gemm_is_one_fixed_order_chain_per_output(N, K):
+    """Every output of the panel GEMM is one FMA chain over k in order, then + bias: so a row's bits do not
+    depend on the call's other rows (below and above the 32-row blocking, K over its 512-value blocks), nor
+    on the instruction set (the AVX-512 tiles against the AVX2 ones), and they are the chain's bits."""
+    from qbench.kernels.ops import gemm_panels_into
+    lib = build.load()
+    # values on a coarse grid (multiples of 2^-6 up to 4): every product and partial sum is exact in float32,
+    # so the chain's float32 result is the exact sum
+    g = torch.Generator().manual_seed(N + K)
+    grid = lambda *shape: torch.randint(-256, 257, shape, generator=g).float() / 64  # noqa: E731
+    W, b = grid(N, K), grid(N)
+    P = pack_panels(W)
+    x = grid(300, K)
+    exact = (x.double() @ W.double().t() + b.double()).float()
+    try:
+        for isa in (512, 256):
+            if isa == 512 and build.kernel_path() == "avx2":
+                continue
+            lib.qb_set_isa(isa)
+            whole = gemm_packed(x, P, b, N)
+            assert torch.equal(whole, exact)
+            for M in (1, 5, 31, 32, 33, 130):  # a row's bits alone and inside small, blocked and odd calls
+                assert torch.equal(gemm_packed(x[:M], P, b, N), whole[:M]), (isa, M)
+            # into a slab of a wider output: only its columns are written
+            y = torch.full((40, N + 9), 7.0)
+            gemm_panels_into(x[:40].contiguous(), P, b, y[:, 3:], N)
+            assert torch.equal(y[:, 3:N + 3], whole[:40]) and (y[:, :3] == 7).all() and (y[:, N + 3:] == 7).all()
+        # rounding that matters: random values, where the order shows in the last bits
+        xr, Wr = torch.randn(64, K, generator=g), torch.randn(N, K, generator=g)
+        Pr = pack_panels(Wr)
+        chain = _fma_chain(xr, Wr, b)
+        for isa in (512, 256):
+            if isa == 512 and build.kernel_path() == "avx2":
+                continue
+            lib.qb_set_isa(isa)
+            got = gemm_packed(xr, Pr, b, N)
+            # the emulated chain rounds each step once from float64, as an FMA does, except where the float64
+            # sum itself rounded (exponents far apart): all but a few outputs are the same bits
+            assert (got != chain).float().mean() < 0.001, isa  # another order differs in most outputs
+            assert torch.equal(got[:1], gemm_packed(xr[:1], Pr, b, N))
+    finally:
+        lib.qb_set_isa(512)
+
+
+@needs_kernel
+@pytest.mark.parametrize("slab", [None, 64 * 48])  # one dequantized weight, or slabs of 64 columns
 @pytest.mark.parametrize("N", [100, 131])
-def test_prefill_sized_rows_take_the_dense_path_and_match_float64(monkeypatch, slab, N):
-    """From DENSE_ROWS rows on, Linear unpacks its panels for oneDNN; the result is the same product."""
+def test_dense_by_slabs_covers_every_column_once(monkeypatch, slab, N):
+    """Quantized prefill dequantizes the weight in slabs of fp32 panels for the panel GEMM; the slabs cover N
+    once, and the result is the panel GEMM's on the whole weight, bit for bit."""
     if slab:
         monkeypatch.setattr(linear_mod, "SLAB_FLOATS", slab)
     g = torch.Generator().manual_seed(N)
     W, b = torch.randn(N, 48, generator=g), torch.randn(N, generator=g)
-    lin = linear_mod.Linear(W, b)
-    calls = []
-    real = linear_mod.dense_matmul
-    monkeypatch.setattr(linear_mod, "dense_matmul", lambda *a: calls.append(a[1].shape) or real(*a))
-    for M in (linear_mod.DENSE_ROWS - 1, linear_mod.DENSE_ROWS + 3):
-        x = torch.randn(M, 48, generator=g)
-        ref = x.double() @ W.t().double() + b.double()
-        assert (lin(x).double() - ref).abs().max() < 1e-5 * 48 ** 0.5 * 10
-    widths = [s[1] for s in calls]  # only the second size went dense, in slabs that cover N once
+    P = pack_panels(W)
+    widths = []
+    x = torch.randn(linear_mod.DENSE_ROWS + 3, 48, generator=g)
+    got = linear_mod.dense_by_slabs(x, N, lambda p0, p1, c: widths.append(c) or P[p0:p1].contiguous(), b)
+    assert torch.equal(got, gemm_packed(x, P, b, N))
     assert sum(widths) == N and (len(widths) == 1) == (slab is None)
 
 
 @needs_kernel
 @pytest.mark.parametrize("lengths,prefixes", [((9, 9), (0, 0)), ((9, 4), (0, 0)), ((1, 6), (0, 0)),
-                                              ((9, 4), (7, 0)), ((5, 9), (16, 3)), ((12, 12), (40, 40))])
-def test_prefill_attention_on_flash_matches_the_paged_kernel(monkeypatch, lengths, prefixes):
-    """A prefill row attends causally over its new keys (torch's flash kernel) and fully over the prefix
-    already in the cache (a second flash call, merged by log-sum-exp); the paged kernel over the same pool
-    is the reference, padded rows included."""
+                                              ((9, 4), (7, 0)), ((5, 9), (16, 3)), ((12, 12), (40, 40)),
+                                              ((100, 70), (0, 90))])  # two tiles of 64 queries, three key blocks
+@pytest.mark.parametrize("hd", [16, 12])  # the fixed-order kernel; torch's flash kernel (hd not a multiple of 8)
+def test_prefill_attention_matches_the_paged_kernel(monkeypatch, lengths, prefixes, hd):
+    """A prefill row attends causally over its new keys and fully over the prefix already in the cache: in one
+    pass of the fixed-order kernel (qb_prefill_attention), or in two flash calls merged by log-sum-exp; the
+    paged kernel over the same pool is the reference, padded rows included. The fixed-order kernel gives each
+    row the bits it gives alone, and its AVX-512 form the AVX2 form's bits."""
     import qbench.layers.attention as attention_mod
-    from qbench.kernels.ops import paged_attention
+    from qbench.kernels.ops import paged_attention, prefill_attention
+    from qbench.layers import prefill_attention as flash
     from qbench.layers.attention import AttnMetadata, attend, uses_kernel
     from qbench.layers.kv import BlockKV
 
     g = torch.Generator().manual_seed(sum(lengths) + sum(prefixes))
-    B, T, nh, nkv, hd, bs = len(lengths), max(lengths), 6, 2, 16, 4
+    B, T, nh, nkv, bs = len(lengths), max(lengths), 6, 2, 4
     q, k, v = torch.randn(B, T, nh, hd, generator=g), torch.randn(B, T, nkv, hd, generator=g), \
         torch.randn(B, T, nkv, hd, generator=g)
     ctx = [p + n for p, n in zip(prefixes, lengths)]
@@ -162,7 +221,48 @@ def test_prefill_attention_on_flash_matches_the_paged_kernel(monkeypatch, length
     assert uses_kernel(meta, torch.float32)
     with monkeypatch.context() as m:
         m.setattr(attention_mod, "paged_attention", lambda *a: pytest.fail("a prefill took the paged kernel"))
+        if hd % 8 == 0:
+            m.setattr(flash, "prefill_attention", lambda *a: pytest.fail("an fp32 pool's prefill took flash"))
+        else:
+            m.setattr(attention_mod, "prefill_attention", lambda *a: pytest.fail("hd 12 took the native kernel"))
         got = attend(q, k, v, None, meta, cache, 0.25)
     ref = paged_attention(q, cache.k, cache.v, tables, meta.positions, meta.query_valid, None, 0.25)
     assert (got[valid] - ref[valid]).abs().max() < 1e-5
     assert torch.count_nonzero(got[~valid]) == 0
+    if hd % 8:
+        return
+    lib = build.load()
+    try:
+        for isa in (256, 512):
+            if isa == 512 and build.kernel_path() == "avx2":
+                continue
+            lib.qb_set_isa(isa)
+            assert torch.equal(prefill_attention(q, cache.k, cache.v, tables, meta.positions, valid, 0.25), got)
+            for b, n in enumerate(lengths):  # a row alone, and its last query alone, give the batch's bits
+                pos = meta.positions[b:b + 1]
+                alone = prefill_attention(q[b:b + 1, :n], cache.k, cache.v, tables[b:b + 1], pos[:, :n], None, 0.25)
+                assert torch.equal(alone, got[b:b + 1, :n])
+                last = prefill_attention(q[b:b + 1, n - 1:n], cache.k, cache.v, tables[b:b + 1], pos[:, n - 1:n],
+                                         None, 0.25)
+                assert torch.equal(last, got[b:b + 1, n - 1:n])
+    finally:
+        lib.qb_set_isa(512)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [49157, 8, 5])
+def test_log_softmax_kernel_matches_float64_and_each_row_alone(monkeypatch, n):
+    """qb_log_softmax against a float64 log_softmax (within float32 rounding of the log-probs' size), the same
+    bits for a row alone as in a batch, and the torch fallback (float64 sums) within the same bound."""
+    from qbench.engine import scoring
+    from qbench.kernels.ops import log_softmax
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(37, n, generator=g) * 6
+    ref = torch.log_softmax(x.double(), dim=-1)
+    got = log_softmax(x)
+    bound = 4 * torch.finfo(torch.float32).eps * (1 + ref.abs())
+    assert ((got.double() - ref).abs() <= bound).all()
+    assert torch.equal(log_softmax(x[5:6]), got[5:6])
+    assert torch.equal(scoring.log_softmax(x), got)
+    monkeypatch.setattr(scoring.kernels, "available", lambda: False)
+    assert ((scoring.log_softmax(x).double() - ref).abs() <= bound).all()

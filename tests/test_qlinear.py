@@ -79,8 +79,9 @@ def test_leading_dimensions_and_bias():
 @pytest.mark.parametrize("scheme", ["int8", "g32-sym", "g128-asym"])
 @pytest.mark.parametrize("N,K", [(200, 1536), (24, 77), (131, 130)])
 def test_the_prefill_path_dequantizes_exactly_the_reference_weights(monkeypatch, scheme, N, K):
-    """At prefill sizes the native path dequantizes the panels; the weights it builds must equal
-    ``dequantize`` bit for bit, including slabs that split the panels (the last one partial)."""
+    """At prefill sizes the native path dequantizes into fp32 panels for the panel GEMM; the weights it builds
+    must equal ``dequantize`` bit for bit, including slabs that split the panels (the last one partial)."""
+    from qbench.kernels.ops import unpack_panels
     from qbench.layers import linear as linear_mod
 
     g = torch.Generator().manual_seed(N * K)
@@ -88,8 +89,9 @@ def test_the_prefill_path_dequantizes_exactly_the_reference_weights(monkeypatch,
     q = quantize_int8(w) if scheme == "int8" else quantize_int4(w, int(scheme[1:].split("-")[0]),
                                                                 scheme.endswith("-sym"))
     seen = []
-    real = linear_mod.dense_matmul
-    monkeypatch.setattr(linear_mod, "dense_matmul", lambda x2, wt, b: seen.append(wt.clone()) or real(x2, wt, b))
+    real = linear_mod.gemm_panels_into
+    monkeypatch.setattr(linear_mod, "gemm_panels_into", lambda x2, panels, b, y, n: seen.append(
+        unpack_panels(panels, n).clone()) or real(x2, panels, b, y, n))
     monkeypatch.setattr(linear_mod, "SLAB_FLOATS", 48 * K)  # slabs of 48 columns
     lin = make_qlinear(q, None, "native")
     lin(torch.randn(linear_mod.DENSE_ROWS, K, generator=g))

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from qbench.kernels import build as kernels
+from qbench.kernels import ops
 from qbench.engine.footprint import Footprint, footprint
 from qbench.engine.sampling import SamplingParams
 from qbench.engine.sequence import Sequence, make_sequences
@@ -44,6 +46,20 @@ def score(engine, token_lists: list[list[int]], prompt_len: int | None = None) -
     return _decoded(engine, token_lists, prompt_len)
 
 
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """(N, V) logits -> float32 log-probs, the same bits on every CPU: torch's own sums each row's exponentials
+    in an order that follows the vector width (AVX2 or AVX-512) and takes them from MKL, whose code path follows
+    the CPU too, so a scored figure moved in its last digits between machines. The native kernel has one order
+    (``qb_log_softmax``); without it, the exponentials are summed in float64, where an order rarely shows."""
+    x = logits.float()
+    if kernels.available():
+        return ops.log_softmax(x)
+    m = x.amax(-1, keepdim=True)
+    shifted = x - m
+    lse = shifted.exp().sum(-1, keepdim=True, dtype=torch.float64).log().float()
+    return shifted.sub_(lse)
+
+
 def _prefilled(engine, seqs: list[Sequence], start: int) -> list[torch.Tensor]:
     engine._size_pool([footprint(len(s), len(s), engine.block_size) for s in seqs])
     out = []
@@ -55,7 +71,7 @@ def _prefilled(engine, seqs: list[Sequence], start: int) -> list[torch.Tensor]:
             engine.blocks.reserve(s, len(s))
         logits = engine.runner.prefill(wave, all_logits=True)  # (B, T, V)
         for j, s in enumerate(wave):
-            out.append(torch.log_softmax(logits[j, start: len(s)], dim=-1))
+            out.append(log_softmax(logits[j, start: len(s)]))
             engine.blocks.release(s)
     return out
 
@@ -76,7 +92,7 @@ def _decoded(engine, token_lists: list[list[int]], prompt_len: int) -> list[torc
             _room(engine, prompt_len)
             blocks.reserve(s, prompt_len)
         last = engine.runner.prefill(wave)  # (B, V): the prompt's last position, before any eviction
-        rows = [[torch.log_softmax(last[j: j + 1], dim=-1)] for j in range(len(wave))]
+        rows = [[log_softmax(last[j: j + 1])] for j in range(len(wave))]
         for s in wave:
             s.prefilled = True
             ev.after_prefill(s)
@@ -90,7 +106,7 @@ def _decoded(engine, token_lists: list[list[int]], prompt_len: int) -> list[torc
                 blocks.prepare_write(s, len(s))
             step = engine.runner.decode([wave[j] for j in live])  # (b, V)
             for r, j in enumerate(live):
-                rows[j].append(torch.log_softmax(step[r: r + 1], dim=-1))
+                rows[j].append(log_softmax(step[r: r + 1]))
                 ev.after_decode(wave[j])
         for j, s in enumerate(wave):
             out.append(torch.cat(rows[j]))

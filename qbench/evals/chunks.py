@@ -38,7 +38,9 @@ def chunk_windows(ids: list[int], ctx: int, limit: int) -> list[list[int]]:
 def base_record(lp: torch.Tensor, targets: torch.Tensor, top_k: int) -> dict[str, torch.Tensor]:
     """lp (N, V) log-probs at the scored positions, targets (N,) -> what a baseline keeps."""
     top_lp, top_ids = lp.topk(top_k, dim=-1)  # sorted, so top_ids[:, 0] is the argmax
-    mass = top_lp.exp().sum(-1)
+    # exponentials and sums in float64, rounded once: torch takes float32 exps from MKL, whose code path (and so
+    # their last bits) follows the CPU, and sums in an order that follows the vector width
+    mass = top_lp.double().exp().sum(-1).float()
     tail = torch.log1p(-mass.clamp(max=1 - 1e-7))
     return {"targets": targets, "nll": -lp.gather(1, targets[:, None])[:, 0], "top_ids": top_ids.int(),
             "top_lp": top_lp, "tail_lp": tail}
@@ -54,13 +56,13 @@ def kld_topk(base: dict[str, torch.Tensor], lq: torch.Tensor) -> torch.Tensor:
     p_lp = base["top_lp"]  # (N, K)
     q_lp = lq.gather(1, base["top_ids"].long())
     p_tail = base["tail_lp"]
-    q_tail = torch.log1p(-q_lp.exp().sum(-1).clamp(max=1 - 1e-7))
-    head = (p_lp.exp() * (p_lp - q_lp)).sum(-1)
-    return (head + p_tail.exp() * (p_tail - q_tail)).clamp(min=0)
+    q_tail = torch.log1p(-q_lp.double().exp().sum(-1).float().clamp(max=1 - 1e-7))
+    head = (p_lp.double().exp() * (p_lp - q_lp).double()).sum(-1)
+    return (head + p_tail.double().exp() * (p_tail - q_tail).double()).float().clamp(min=0)
 
 
 def compare_record(base: dict[str, torch.Tensor], own: dict[str, torch.Tensor], lq: torch.Tensor) -> dict:
-    return {"kld": kld_topk(base, lq), "p_base": (-base["nll"]).exp(), "p_q": (-own["nll"]).exp(),
+    return {"kld": kld_topk(base, lq), "p_base": (-base["nll"]).double().exp().float(), "p_q": (-own["nll"]).double().exp().float(),
             "same_top": (own["top_ids"][:, 0] == base["top_ids"][:, 0]), "nll_base": base["nll"]}
 
 
@@ -99,7 +101,7 @@ def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str
             own.update(compare_record(base, own, lq))
             if "full_lp" in base:
                 p = base["full_lp"].float()
-                own["kld_full"] = (p.exp() * (p - lq)).sum(-1)
+                own["kld_full"] = (p.double().exp() * (p - lq).double()).sum(-1).float()
         return own
 
     step = subject.batch_size * subject.dist.world  # one batch per rank, saved before the next

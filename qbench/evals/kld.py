@@ -38,7 +38,7 @@ def run(subject, cfg: Config, ctx) -> dict:
     dt = time.perf_counter() - t0
     out = {"chunks": len(windows), "ctx": cfg.ctx, "top_k": cfg.top_k, "own": ppl_se(cat(recs, "nll")),
            "throughput": {"seconds": dt, "items_per_s": len(windows) / dt, "tokens_per_s": len(windows) * cfg.ctx / dt},
-           "tail_mass_mean": cat(recs, "tail_lp").exp().mean().item()}
+           "tail_mass_mean": cat(recs, "tail_lp").double().exp().mean().item()}
     if ctx.base_store is None:
         out["note"] = "no baseline: this run stores its top-K records so that candidates can be scored against it"
         out["score"] = None
@@ -49,7 +49,7 @@ def run(subject, cfg: Config, ctx) -> dict:
     out["score"] = s["kld"]["mean"]
     exact = [r for r in recs if "kld_full" in r]
     if exact:
-        full, approx = cat(exact, "kld_full"), cat(exact, "kld")
+        full, approx = cat(exact, "kld_full").double(), cat(exact, "kld").double()
         out["top_k_check"] = {
             "tokens": full.numel(), "full_vocabulary_mean": full.mean().item(), "top_k_mean": approx.mean().item(),
             "relative_bias": (1 - approx.mean() / full.mean()).item() if full.mean() > 0 else 0.0,

@@ -19,7 +19,7 @@ from pathlib import Path
 from qbench.errors import QBenchError
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "gemm_a8_amx.c", "dequant.c", "attn_kv.c", "layer.c", "gptq.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "gemm_a8_amx.c", "dequant.c", "attn_kv.c", "attn_prefill.c", "layer.c", "gptq.c")
 HEADERS = ("panel.h", "a8_quad.h", "vecmath.h", "attn_kv256.h", "attn_kv512.h", "attn_kv_head.h")  # part of the cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
@@ -110,6 +110,10 @@ def load() -> ctypes.CDLL | None:
     P, L, I, F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
     signatures = {
         "qb_gemm_f32_packed": [P, P, P, P, L, L, L, I],
+        "qb_gemm_f32_panels": [P, P, P, P, L, L, L, L, I],
+        "qb_log_softmax": [P, P, L, L, I],
+        # q, kpool, vpool, tables, qpos, qvalid, out; B, T, nh, nkv, hd, bs, nblk; scale; threads
+        "qb_prefill_attention": [P] * 7 + [L] * 7 + [F, I],
         "qb_rmsnorm": [P, P, P, L, L, F, I],
         "qb_silu_mul": [P, P, L, L, I],
         "qb_fwht": [P, L, L, L, I],
@@ -123,9 +127,9 @@ def load() -> ctypes.CDLL | None:
         "qb_gemm_i4a8": [P] * 5 + [L] * 4 + [I],
         "qb_gemm_i8a8": [P] * 4 + [L] * 3 + [I],
         "qb_gemm_f8": [P] * 4 + [L] * 3 + [I],
-        "qb_dequant_i8": [P] * 3 + [L] * 2 + [I],
-        "qb_dequant_f8": [P] * 3 + [L] * 2 + [I],
-        "qb_dequant_i4": [P] * 4 + [L] * 3 + [I],
+        "qb_dequant_i8": [P] * 3 + [L] * 2 + [I, I],
+        "qb_dequant_f8": [P] * 3 + [L] * 2 + [I, I],
+        "qb_dequant_i4": [P] * 4 + [L] * 3 + [I, I],
         "qb_set_isa": [I],
         "qb_set_amx": [I],
         # W1, Hinv1; N, B, c0, c1; gidx, scales, zeros; ngroups; bits; codes, err; threads

@@ -28,40 +28,57 @@ def unpack_panels(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def gemm_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """x (..., K) float32 @ packed panels -> (..., n)."""
-    lib = load()
+    """x (..., K) float32 @ packed panels -> (..., n): every output one FMA chain over k in order, then + bias,
+    so the same bits for any batch, tile or instruction set (``gemm_f32.c``)."""
     K = packed.shape[1]
     x2 = x.reshape(-1, K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    lib.qb_gemm_f32_packed(x2.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                           x2.shape[0], K, n, torch.get_num_threads())
+    gemm_panels_into(x2, packed, bias, y, n)
     return y.view(*x.shape[:-1], n)
 
 
-def dequant_i8(panels: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
-    """INT8 panels (P, K, 16) and per-column scales -> the dense weight (K, n) float32."""
+def gemm_panels_into(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                     n: int) -> None:
+    """x2 (M, K) contiguous float32 @ packed panels (P, K, 16) + bias -> y (M, >= n) columns [0, n), y's rows
+    any distance apart (a slab of a wider output)."""
+    assert x2.dtype == packed.dtype == y.dtype == torch.float32, "the panel GEMM is float32"
+    assert x2.is_contiguous() and packed.is_contiguous() and y.stride(1) == 1 and y.shape[1] >= n
+    load().qb_gemm_f32_panels(x2.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                              y.data_ptr(), x2.shape[0], packed.shape[1], n, y.stride(0), torch.get_num_threads())
+
+
+def _dequant_out(k: int, n: int, panels: bool) -> torch.Tensor:
+    return torch.empty(-(-n // PANEL), k, PANEL, dtype=torch.float32) if panels else \
+        torch.empty(k, n, dtype=torch.float32)
+
+
+def dequant_i8(panels: torch.Tensor, scale: torch.Tensor, n: int, as_panels: bool = False) -> torch.Tensor:
+    """INT8 panels (P, K, 16) and per-column scales -> the dense weight (K, n) float32, or fp32 panels
+    (ceil(n/16), K, 16) with ``as_panels``."""
     K = panels.shape[1]
-    out = torch.empty(K, n, dtype=torch.float32)
-    load().qb_dequant_i8(panels.data_ptr(), scale.data_ptr(), out.data_ptr(), K, n, torch.get_num_threads())
+    out = _dequant_out(K, n, as_panels)
+    load().qb_dequant_i8(panels.data_ptr(), scale.data_ptr(), out.data_ptr(), K, n, int(as_panels),
+                         torch.get_num_threads())
     return out
 
 
-def dequant_f8(panels: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
-    """FP8 e4m3 bytes in the INT8 panels and per-column scales -> the dense weight (K, n) float32."""
+def dequant_f8(panels: torch.Tensor, scale: torch.Tensor, n: int, as_panels: bool = False) -> torch.Tensor:
+    """FP8 e4m3 bytes in the INT8 panels and per-column scales -> the dense weight (K, n) float32 (or panels)."""
     K = panels.shape[1]
-    out = torch.empty(K, n, dtype=torch.float32)
-    load().qb_dequant_f8(panels.data_ptr(), scale.data_ptr(), out.data_ptr(), K, n, torch.get_num_threads())
+    out = _dequant_out(K, n, as_panels)
+    load().qb_dequant_f8(panels.data_ptr(), scale.data_ptr(), out.data_ptr(), K, n, int(as_panels),
+                         torch.get_num_threads())
     return out
 
 
 def dequant_i4(panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, k: int, n: int,
-               group: int) -> torch.Tensor:
-    """INT4 panels in ``qb_gemm_i4``'s layout -> the dense weight (k, n) float32."""
-    out = torch.empty(k, n, dtype=torch.float32)
+               group: int, as_panels: bool = False) -> torch.Tensor:
+    """INT4 panels in ``qb_gemm_i4``'s layout -> the dense weight (k, n) float32 (or fp32 panels)."""
+    out = _dequant_out(k, n, as_panels)
     load().qb_dequant_i4(panels.data_ptr(), scales.data_ptr(), zeros.data_ptr(), out.data_ptr(), k, n, group,
-                         torch.get_num_threads())
+                         int(as_panels), torch.get_num_threads())
     return out
 
 
@@ -99,10 +116,10 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
                    torch.get_num_threads())
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                    positions: torch.Tensor, valid: torch.Tensor | None, window: int | None,
-                    scale: float) -> torch.Tensor:
-    """q (B, T, nh, hd) against the pool (num_blocks, bs, nkv, hd) -> (B, T, nh * hd)."""
+def _pool_call(fn, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+               positions: torch.Tensor, valid: torch.Tensor | None, *tail) -> torch.Tensor:
+    """fn(q, kpool, vpool, tables, qpos, qvalid, out, B, T, nh, nkv, hd, bs, nblk, *tail, threads) over a float32
+    pool (num_blocks, bs, nkv, hd) -> out (B, T, nh * hd): the paged kernels' common call."""
     B, T, nh, hd = q.shape
     _, bs, nkv, _ = k_pool.shape
     q = q.contiguous()
@@ -110,10 +127,35 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     tables = block_tables.contiguous()
     pos = positions.contiguous()
     v8 = None if valid is None else valid.to(torch.uint8).contiguous()
-    load().qb_paged_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), pos.data_ptr(),
-                              0 if v8 is None else v8.data_ptr(), out.data_ptr(), B, T, nh, nkv, hd, bs,
-                              tables.shape[1], window or 0, scale, torch.get_num_threads())
+    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), pos.data_ptr(),
+       0 if v8 is None else v8.data_ptr(), out.data_ptr(), B, T, nh, nkv, hd, bs, tables.shape[1], *tail,
+       torch.get_num_threads())
     return out
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    positions: torch.Tensor, valid: torch.Tensor | None, window: int | None,
+                    scale: float) -> torch.Tensor:
+    """q (B, T, nh, hd) against the pool (num_blocks, bs, nkv, hd) -> (B, T, nh * hd)."""
+    return _pool_call(load().qb_paged_attention, q, k_pool, v_pool, block_tables, positions, valid, window or 0,
+                      scale)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """(..., n) float32 -> log-probs over the last axis, in ``qb_log_softmax``'s fixed order."""
+    n = x.shape[-1]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    load().qb_log_softmax(x.data_ptr(), y.data_ptr(), x.numel() // n, n, torch.get_num_threads())
+    return y
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                      positions: torch.Tensor, valid: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q (B, T, nh, hd) causally against the fp32 pool (num_blocks, bs, nkv, hd), every key up to each query's
+    position already written -> (B, T, nh * hd), in ``attn_prefill.c``'s fixed order (the same bits on every
+    CPU); hd a multiple of 8."""
+    return _pool_call(load().qb_prefill_attention, q, k_pool, v_pool, block_tables, positions, valid, scale)
 
 
 MAX_GROUP = 64  # query heads per KV head that qb_attention_kv takes

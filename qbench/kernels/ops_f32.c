@@ -214,3 +214,31 @@ void qb_fwht(float *x, long rows, long K, long b, int nthreads) {
         }
     }
 }
+
+/* x (rows, n) -> y = log_softmax(x) per row, in one order on every CPU (torch's sums its exponentials in an
+ * order that follows the vector width, and takes them from MKL, whose code path follows the CPU): the
+ * maximum (exact), exp(x - max) with vecmath.h's exp, their sum in float64 (8 lanes over the row in order, then
+ * the lanes in order, then the tail one at a time), lse = log of it rounded to float, y = (x - max) - lse. */
+void qb_log_softmax(const float *x, float *y, long rows, long n, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        const float m = row_max(xr, n);
+        const __m256 vm = _mm256_set1_ps(m);
+        __m256d s0 = _mm256_setzero_pd(), s1 = s0;
+        long j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(xr + j), vm));
+            s0 = _mm256_add_pd(s0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+            s1 = _mm256_add_pd(s1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+        }
+        double lanes[8], sum = 0.0;
+        _mm256_storeu_pd(lanes, s0);
+        _mm256_storeu_pd(lanes + 4, s1);
+        for (int i = 0; i < 8; i++) sum += lanes[i];
+        for (; j < n; j++) sum += (double)exp1(xr[j] - m);
+        const float lse = (float)log(sum);
+        for (j = 0; j < n; j++) yr[j] = (xr[j] - m) - lse;
+    }
+}

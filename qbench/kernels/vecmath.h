@@ -27,6 +27,9 @@ static inline __m256 exp256(__m256 x) {
     return x;
 }
 
+/* exp of one float with the vector exp's bits */
+static inline float exp1(float x) { return _mm256_cvtss_f32(exp256(_mm256_set1_ps(x))); }
+
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
-from qbench.kernels.ops import MAX_GROUP, attention_kv, paged_attention
+from qbench.kernels.ops import MAX_GROUP, attention_kv, paged_attention, prefill_attention
 from qbench.layers import prefill_attention as prefill
 from qbench.layers.kv import BlockKV, QuantBlockKV
 
@@ -61,6 +61,15 @@ def uses_kernel(meta: AttnMetadata, dtype: torch.dtype) -> bool:
     return meta.uses_cache and dtype == torch.float32 and kernels.available()
 
 
+def _query_valid(meta: AttnMetadata, T: int) -> torch.Tensor | None:
+    """(B, T) real query rows of a prefill: ``query_valid``, else the first ``new_tokens`` of each row."""
+    if meta.query_valid is not None:
+        return meta.query_valid
+    if meta.new_tokens is None:
+        return None
+    return torch.arange(T)[None, :] < meta.new_tokens[:, None]
+
+
 def build_mask(meta: AttnMetadata, group: int, sliding_window: int | None = None) -> torch.Tensor:
     """Boolean mask (B, 1, T * group, L); True where a query may attend a key."""
     qpos = meta.kv_positions  # (B, T)
@@ -107,12 +116,17 @@ def attend(
             kf, vf = kf.index_select(0, meta.valid_index), vf.index_select(0, meta.valid_index)
         if isinstance(cache, QuantBlockKV):
             cache.write_meta(meta, kf, vf)
-            if T == 1 and q.dtype == torch.float32 and cache.decode_kernel and g <= MAX_GROUP:
-                return cache.attend_decode(q, meta, window, scale)  # the blocks read in place
+            if q.dtype == torch.float32 and cache.decode_kernel and g <= MAX_GROUP:
+                # the blocks read in place, a prefill's rows each over its own positions; SDPA over a dequantized
+                # copy summed in an order that follows the CPU, and a quantized cache turns that into codes
+                return cache.attend_decode(q, meta, window, scale)
             keys, values = (t.to(q.dtype) for t in cache.read_meta(meta))  # (B, nkv, L, hd), dequantized
         else:
             cache.write(meta.slot_mapping, kf, vf)
             if mask is None and prefill.applies(T, meta.context_lens, window):
+                if cache.k.dtype == torch.float32 and hd % 8 == 0:  # the fixed-order kernel: every CPU's bits
+                    return prefill_attention(q, cache.k, cache.v, meta.block_tables, meta.kv_positions,
+                                             _query_valid(meta, T), scale)
                 return prefill.prefill_attention(q, k, v, meta.kv_positions, meta.new_tokens, meta.block_tables,
                                                  cache.k, cache.v, scale)
             if mask is None and cache.k.dtype == torch.float32:

@@ -56,7 +56,7 @@ class QuantBlockKV:
     after that.
     """
 
-    native = False  # the fp32 paged kernel cannot read it: prefill reads it through ``read_meta``
+    native = False  # the fp32 paged kernels cannot read it: qb_attention_kv does (``decode_kernel``), else ``read_meta``
 
     def __init__(self, store: dict, scheme):
         self.s = store  # this layer's tensors: kc, ks, km, vc, vs, vm (codes, scale, min), rk, rv (residual)
@@ -70,8 +70,7 @@ class QuantBlockKV:
 
     @property
     def decode_kernel(self) -> bool:
-        """Decode (one query per row) reads the blocks in place through qb_attention_kv, where it takes the
-        layout."""
+        """Decode and prefill read the blocks in place through qb_attention_kv, where it takes the layout."""
         return self._fits and kernels.available()
 
     def sources(self) -> tuple[tuple, tuple] | None:
@@ -92,7 +91,8 @@ class QuantBlockKV:
         return out[0], out[1]
 
     def attend_decode(self, q: torch.Tensor, meta, window: int | None, scale: float) -> torch.Tensor:
-        """q (B, 1, nh, hd) over this step's cache (written first) -> (B, 1, nh * hd), no dequantized copy."""
+        """q (B, T, nh, hd) over this step's cache (written first) -> (B, T, nh * hd), no dequantized copy: a
+        decode step's query, or a prefill's, each over the keys up to its position."""
         k_src, v_src = self._sources
         return ops.attention_kv(q, meta.block_tables, meta.kv_positions, meta.query_valid, meta.context_lens, k_src,
                                 v_src, self.s["rk"], self.s["rv"], meta.kv_slots, window, scale)

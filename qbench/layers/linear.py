@@ -6,17 +6,14 @@ weight at well under half the memory bandwidth. qbench keeps fp32 weights packed
 decode step; without that kernel it keeps them input-major, (in, out), for oneDNN,
 which is the faster of torch's paths here. ``qbench bench`` measures both.
 
-The panel kernel keeps a tile of at most 6 rows of x in registers and re-reads all of x for every
-panel, so at prefill sizes (thousands of rows) it streams x from beyond the L2 cache once per 16
-output columns. From ``DENSE_ROWS`` rows per sequence on, the weight is unpacked once per call (a few ms)
-and the product runs on oneDNN's cache-blocked GEMM (AVX-512 where the CPU has it): on a 2-core Xeon,
-1.3x to 1.5x the panel kernel at 4,096 rows. Quantized linears use the same split (``qlinear``).
-
-Both paths compute each row on its own, in the same order whatever the other rows are, and the choice
-between them is made on rows per sequence (``x.shape[-2]``: a prefill chunk's padded length, 1 in decode),
-not on the batch's total: together with the runner, which never pads a chunk into a pass of the other
-kind, a token's result does not depend on what else is in the batch (eval runs at batch 1, 3 or across
-processes agree to the bit).
+The same kernel runs every size: from 32 rows it works in blocks (512 values of k by 120 rows, a panel's
+block held in L1 across the rows), and on AVX-512 in tiles of 12 rows by 32 columns. On the 2-core Xeon it
+matches or beats oneDNN's cache-blocked GEMM at 256 to 1,024 rows (0.97x to 1.8x on SmolLM2's and Qwen's
+shapes) and is 1.3x to 2.5x it at 8 to 32 rows. Each output is one fused multiply-add chain over k in order,
+whatever the tile, block or instruction set, so a row's result does not depend on the other rows of the
+call (eval runs at batch 1, 3 or across processes agree to the bit) nor on the CPU: a prefill gives the same
+bits on an AVX2-only EPYC as on an AVX-512 Xeon, where oneDNN's blocking and vector width followed the CPU.
+Quantized linears dequantize prefill-sized products into fp32 panels for the same kernel (``qlinear``).
 """
 
 from __future__ import annotations
@@ -25,12 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from qbench.kernels import build as kernels
-from qbench.kernels.ops import gemm_packed, pack_panels, unpack_panels
+from qbench.kernels.ops import gemm_packed, gemm_panels_into, pack_panels, unpack_panels
 
 _DNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-DENSE_ROWS = 256  # rows per sequence from which linears take the dense path (measured: see above and qlinear)
-SLAB_FLOATS = 8 << 20  # a dense weight is made this many values (32 MiB) at a time: a 151,936-row head is not
-# unpacked whole (545 MB) for one call
+DENSE_ROWS = 256  # rows per sequence from which quantized linears dequantize (measured: see qlinear)
+SLAB_FLOATS = 8 << 20  # a dequantized weight is made this many values (32 MiB) at a time: a 151,936-row head
+# is not dequantized whole (545 MB) for one call
 
 
 def takes_dense(x: torch.Tensor) -> bool:
@@ -39,24 +36,23 @@ def takes_dense(x: torch.Tensor) -> bool:
 
 
 def dense_matmul(x2: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 (M, K) @ weight_t (K, N) + bias on torch's fastest fp32 GEMM here."""
+    """x2 (M, K) @ weight_t (K, N) + bias on torch's fastest fp32 GEMM here (the path without kernels)."""
     if _DNN and x2.dtype == torch.float32 and x2.is_contiguous():
         return torch.ops.mkldnn._linear_pointwise(x2, weight_t.t(), bias, "none", [], "")
     return F.linear(x2, weight_t.t(), bias)
 
 
 def dense_by_slabs(x2: torch.Tensor, n: int, slab, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 (M, K) @ W (K, n) + bias, with W made by ``slab(p0, p1, cols)`` -> (K, cols) for the 16-column
-    panels [p0, p1), at most ``SLAB_FLOATS`` values at a time."""
+    """x2 (M, K) @ W (K, n) + bias on the panel kernel, with W made by ``slab(p0, p1, cols)`` -> fp32 panels
+    (p1 - p0, K, 16) for the 16-column panels [p0, p1), at most ``SLAB_FLOATS`` values at a time."""
+    x2 = x2.contiguous()
     K = x2.shape[1]
     cols = max(16, SLAB_FLOATS // K // 16 * 16)
-    if cols >= n:
-        return dense_matmul(x2, slab(0, -(-n // 16), n), bias)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     for n0 in range(0, n, cols):
         c = min(cols, n - n0)
-        y[:, n0:n0 + c] = dense_matmul(x2, slab(n0 // 16, -(-(n0 + c) // 16), c),
-                                       None if bias is None else bias[n0:n0 + c])
+        gemm_panels_into(x2, slab(n0 // 16, -(-(n0 + c) // 16), c), None if bias is None else bias[n0:n0 + c],
+                         y[:, n0:], c)
     return y
 
 
@@ -97,12 +93,7 @@ class Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return dense_matmul(x, self.weight_t, self.bias)
-        if not takes_dense(x) or x.dtype != torch.float32:
-            return gemm_packed(x, self.packed, self.bias, self.out_features)
-        x2 = x.reshape(-1, self.in_features).contiguous()
-        y = dense_by_slabs(x2, self.out_features,
-                           lambda p0, p1, c: unpack_panels(self.packed[p0:p1], c).contiguous(), self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        return gemm_packed(x, self.packed, self.bias, self.out_features)
 
 
 def fuse(linears: list[tuple[torch.Tensor, torch.Tensor | None]]) -> Linear:

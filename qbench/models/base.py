@@ -62,8 +62,9 @@ class CausalLM(torch.nn.Module):
             return self._logits(out, logits_index)
         mask = None
         c0 = None if caches is None else caches[0]
-        # a quantized pool is read in place on decode (one token per row), dequantized whole otherwise
-        in_place = getattr(c0, "native", True) or (input_ids.shape[1] == 1 and getattr(c0, "decode_kernel", False))
+        # a quantized pool is read in place where its kernel takes the layout (decode and prefill: the kernel's
+        # fixed order gives every CPU the same bits), dequantized whole otherwise
+        in_place = getattr(c0, "native", True) or getattr(c0, "decode_kernel", False)
         if caches is None or not uses_kernel(meta, x.dtype) or not in_place:
             mask = build_mask(meta, cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window)
         # each layer's temporaries reuse the memory of the last layer's (heap.scratch); the logits, which may

@@ -24,9 +24,10 @@ from qbench.quant.primitives import QTensor, dequantize, fake_quantize_activatio
     scheme_fits
 
 PANEL = 16
-# From ``linear.DENSE_ROWS`` rows per sequence on, the native path dequantizes the weight once per call and
-# runs oneDNN's blocked fp32 GEMM: the integer kernels re-read x for every 16-column panel and fall to 40-90
-# GFLOP/s at prefill sizes, against about 200 for the blocked GEMM (2-core Xeon, Qwen2.5-0.5B's shapes).
+# From ``linear.DENSE_ROWS`` rows per sequence on, the native path dequantizes the weight once per call into
+# fp32 panels and runs the blocked fp32 panel GEMM (gemm_f32.c, in a fixed order): the integer kernels
+# re-read x for every 16-column panel and fall to 40-90 GFLOP/s at prefill sizes, against about 200-300 for
+# the blocked GEMM (2-core Xeon, Qwen2.5-0.5B's shapes).
 IMPLS = ("native", "aten", "aten-bf16", "reference")
 
 
@@ -111,11 +112,11 @@ class QuantLinear(torch.nn.Module):
 
     def _integer_prefill(self) -> bool:
         """Whether int8 activations take the integer kernel at prefill sizes too, instead of their fp32 grid
-        against the dequantized weight on oneDNN. Its integer dot products do two to eight times the
+        against the dequantized weight on the fp32 panel GEMM. Its integer dot products do two to eight times the
         multiply-adds per instruction of an fp32 FMA: on AVX2 (2-core EPYC, Qwen2.5-0.5B's shapes at 256 and
         1,024 rows: W8A8 50-83 against 34-56 GMAC/s, W4A8 62-102 against 33-53) and with AVX-512 VNNI's
         vpdpbusd (2-core Xeon, the same shapes: W8A8 291-348, W4A8 322-329 against oneDNN's fp32 145-153). An
-        AVX-512 CPU without VBMI runs the AVX2 tiles (98-111 GMAC/s for W8A8 on that Xeon, below its oneDNN;
+        AVX-512 CPU without VBMI runs the AVX2 tiles (98-111 GMAC/s for W8A8 on that Xeon, below its oneDNN, then the dense path;
         not measured on such a CPU), so there the dense path stays.
         (torch's own int8 GEMM, oneDNN with AMX, ran at 166-253 GMAC/s end to end at these sizes: its int32
         output, scaled in torch, costs more passes over memory than the product.)"""
@@ -157,7 +158,7 @@ class Int8Linear(QuantLinear):
             codes, scale = self.codes_nk[ids, : self.in_features], self.scale32[ids]
         return codes.float() * scale.float()[:, None]
 
-    _dequant = staticmethod(dequant_i8)  # the panels -> the dense weight (K, cols), for prefill
+    _dequant = staticmethod(dequant_i8)  # the panels -> fp32 panels, for prefill
 
     def _gemm(self, lib):
         return lib.qb_gemm_i8a8 if self.activations == "int8" else lib.qb_gemm_i8
@@ -168,7 +169,7 @@ class Int8Linear(QuantLinear):
                                                       self.scale32).float()
         if dense:  # prefill: with int8 activations, their grid in fp32 against the dequantized weight
             return dense_by_slabs(self._act(x2), self.out_features, lambda p0, p1, c: self._dequant(
-                self.panels[p0:p1], self.scale32[p0 * PANEL:], c), None)
+                self.panels[p0:p1], self.scale32[p0 * PANEL:], c, True), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         self._gemm(kernels.load())(x2.data_ptr(), *self._kernel_args("panels", "scale32"), y.data_ptr(),
                                    x2.shape[0], self.in_features, self.out_features, torch.get_num_threads())
@@ -232,7 +233,7 @@ class Int4Linear(QuantLinear):
         if dense:  # prefill: the int8 grid in fp32 against the dequantized weight, the kernel's numbers
             return dense_by_slabs(self._act(x2), self.out_features, lambda p0, p1, c: dequant_i4(
                 self.panels[p0:p1], self.scales16[p0:p1], self.zeros8[p0:p1], self.in_features, c,
-                self.group_size), None)
+                self.group_size, True), None)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         lib = kernels.load()
         gemm = lib.qb_gemm_i4a8 if self.activations == "int8" else lib.qb_gemm_i4

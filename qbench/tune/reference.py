@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from qbench.quant.passes import block_forward
+from qbench.engine.scoring import log_softmax
 
 
 class Reference:
@@ -39,7 +40,7 @@ class Reference:
         """Hidden states after the last block (S, T, H) -> log-probs (S, T/2 - 1, V) at the scored positions."""
         model = self.model if model is None else model
         h = x[:, self.first: -1]
-        return torch.log_softmax(model.lm_head(model.final_norm(h)).float(), dim=-1)
+        return log_softmax(model.lm_head(model.final_norm(h)).float())
 
     def replay(self, start: int = 0, model=None) -> dict[str, torch.Tensor]:
         """The fp model as it is now (some units fake-quantized), or another ``model`` of the same architecture
