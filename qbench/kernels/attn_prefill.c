@@ -11,12 +11,14 @@
  * - a block's K rows are transposed once (hd x KB) for all the queries of a tile (QT positions times the g
  *   query heads of one KV head); a score is one FMA chain over d from zero against q * scale;
  * - online softmax per query: the block's maximum (exact), alpha = exp(M_old - M_new) and p_j = exp(s_j - M)
- *   with vecmath.h's exp, the block's sum of p_j added one key at a time in key order, then
- *   l = l * alpha + that sum; the output o = o * alpha, then one FMA chain over the block's keys per
- *   dimension; keys past the query's position are left out of every sum (p = 0 is never added);
+ *   with vecmath.h's exp, the block's sum of p_j as 8 lane sums (lane i: keys i, i + 8, .. in order) and
+ *   hsum256's tree, then l = l * alpha + that sum; the output o = o * alpha, then one FMA chain over the
+ *   block's keys per dimension; keys past the query's position count as p = 0 in the lane sums (an exact
+ *   no-op) and are left out of the values' chains;
  * - finally o / l.
- * One code path (AVX2 + FMA, which every CPU qbench builds kernels on has), so the bits are the same on an
- * AVX2-only EPYC and an AVX-512 Xeon. Padded query rows (valid = 0) get zeros.
+ * The scores and the values have AVX2 and AVX-512 forms (qb_isa() == 512) whose lanes do the same operations
+ * in the same order, so the bits are the same on an AVX2-only EPYC and an AVX-512 Xeon (tests force both).
+ * Padded query rows (valid = 0) get zeros.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -28,7 +30,6 @@
 
 #define KB 64
 #define QT 64
-
 
 /* s[0..KB) = qs . kt[:, j] for two rows (qs1 may equal qs0): one FMA chain over d per key, the KB keys' chains
  * side by side (independent, so the FMA latency is hidden; each key's order is the same whatever the grouping). */
