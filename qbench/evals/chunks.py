@@ -62,8 +62,9 @@ def kld_topk(base: dict[str, torch.Tensor], lq: torch.Tensor) -> torch.Tensor:
 
 
 def compare_record(base: dict[str, torch.Tensor], own: dict[str, torch.Tensor], lq: torch.Tensor) -> dict:
-    return {"kld": kld_topk(base, lq), "p_base": (-base["nll"]).double().exp().float(), "p_q": (-own["nll"]).double().exp().float(),
-            "same_top": (own["top_ids"][:, 0] == base["top_ids"][:, 0]), "nll_base": base["nll"]}
+    return {"kld": kld_topk(base, lq), "p_base": (-base["nll"]).double().exp().float(),
+            "p_q": (-own["nll"]).double().exp().float(), "same_top": (own["top_ids"][:, 0] == base["top_ids"][:, 0]),
+            "nll_base": base["nll"]}
 
 
 def score_chunks(subject, windows: list[list[int]], top_k: int, store, task: str, base_store=None,

@@ -56,7 +56,7 @@ class QuantBlockKV:
     after that.
     """
 
-    native = False  # the fp32 paged kernels cannot read it: qb_attention_kv does (``decode_kernel``), else ``read_meta``
+    native = False  # the fp32 paged kernels cannot read it; qb_attention_kv does (``decode_kernel``), else read_meta
 
     def __init__(self, store: dict, scheme):
         self.s = store  # this layer's tensors: kc, ks, km, vc, vs, vm (codes, scale, min), rk, rv (residual)

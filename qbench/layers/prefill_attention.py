@@ -2,10 +2,11 @@
 
 An fp32 pool's prefill takes the native fixed-order kernel (``kernels/attn_prefill.c``, the same bits on every
 CPU); this path serves the pools it does not read (fp16, bf16) and head sizes that are not a multiple of 8.
-The paged kernel (``kernels/ops_f32.c``) takes one key at a time: right for decode, where each query reads
-its context once, and about 5x slower than a blocked kernel on a 4k-token prefill. A prefill row attends causally over its own new keys and, when the start of its prompt
-is already in the cache (a prefix-cache hit, or the chunks before this one), fully over that cached prefix. The
-two parts run as separate flash calls and are merged through their log-sum-exps: exact up to float rounding.
+The paged kernel (``kernels/ops_f32.c``) takes one key at a time: right for decode, where each query reads its
+context once, and about 5x slower than a blocked kernel on a 4k-token prefill. A prefill row attends causally
+over its own new keys and, when the start of its prompt is already in the cache (a prefix-cache hit, or the
+chunks before this one), fully over that cached prefix. The two parts run as separate flash calls and are
+merged through their log-sum-exps: exact up to float rounding.
 """
 
 from __future__ import annotations
