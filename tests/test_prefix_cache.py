@@ -237,3 +237,27 @@ def test_evicted_blocks_are_reused_when_the_pool_is_full(tiny_models):
     assert torch.equal(torch.tensor(sorted(list(eng.blocks.free_blocks) + [b for n in eng.cache._nodes()
                                                                       for b in n.blocks])),
                        torch.arange(eng.blocks.num_blocks))  # no block leaked
+
+
+@pytest.mark.skipif(not __import__("qbench.kernels.build", fromlist=["x"]).available(),
+                    reason="the fixed-order prefill attention is a native kernel")
+def test_a_prefix_cache_hit_gives_the_bits_of_a_whole_prompt_prefill(tiny_models):
+    """Over an fp32 pool the fixed-order prefill attention reads a prompt's cached blocks and its new keys in one
+    pass, in the order a whole-prompt prefill reads them, and every projection computes a row on its own: so a
+    prompt whose prefix came from the cache gets the logits of a fresh prefill, bit for bit (torch's flash path
+    merged two calls and agreed only to rounding)."""
+    model = load_model(tiny_models["llama"][0])
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    prompt = SHARED + [50, 60, 70]
+    warm = Engine(model, block_size=4, prefix_cache=True)
+    warm.generate([SHARED + [90, 91]], sp)
+    warm.reset_stats()
+    warm.trace_logits = True
+    hit = warm.generate([prompt], sp)[0]
+    assert warm.stats.cached_tokens == 36
+    cold = Engine(model, block_size=4)
+    cold.trace_logits = True
+    fresh = cold.generate([prompt], sp)[0]
+    (start, rows), (fstart, frows) = hit.trace[0], fresh.trace[0]
+    assert start == 36 and fstart == 0 and rows.shape[0] == len(prompt) - 36
+    assert torch.equal(rows, frows[start:])
