@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import native_isas
 from qbench.kernels import build
 from qbench.kernels.ops import gemm_packed, pack_panels, unpack_panels
 from qbench.layers import linear as linear_mod
@@ -164,7 +165,7 @@ def test_panel_gemm_is_one_fixed_order_chain_per_output(N, K):
             assert (got != chain).float().mean() < 0.001, isa  # another order differs in most outputs
             assert torch.equal(got[:1], gemm_packed(xr[:1], Pr, b, N))
     finally:
-        lib.qb_set_isa(512)
+        lib.qb_set_isa(native_isas()[-1])
 
 
 @needs_kernel
@@ -246,7 +247,7 @@ def test_prefill_attention_matches_the_paged_kernel(monkeypatch, lengths, prefix
                                          None, 0.25)
                 assert torch.equal(last, got[b:b + 1, n - 1:n])
     finally:
-        lib.qb_set_isa(512)
+        lib.qb_set_isa(native_isas()[-1])
 
 
 @needs_kernel
@@ -266,3 +267,20 @@ def test_log_softmax_kernel_matches_float64_and_each_row_alone(monkeypatch, n):
     assert torch.equal(scoring.log_softmax(x), got)
     monkeypatch.setattr(scoring.kernels, "available", lambda: False)
     assert ((scoring.log_softmax(x).double() - ref).abs() <= bound).all()
+
+
+@needs_kernel
+def test_the_dispatch_never_takes_avx512_on_a_cpu_without_it():
+    """qb_set_isa(512) keeps AVX2 where the CPU lacks AVX-512 (F, BW, VL and VNNI, as /proc/cpuinfo lists them):
+    a test that restored the dispatch with qb_set_isa(512) sent every later kernel call on an AVX2-only EPYC into
+    AVX-512 code, and the process died on an illegal instruction."""
+    lib = build.load()
+    has = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= build.cpu_info()[1]
+    try:
+        lib.qb_set_isa(512)
+        assert lib.qb_isa() == (512 if has else 256)
+        lib.qb_set_isa(256)
+        assert lib.qb_isa() == 256
+    finally:
+        lib.qb_set_isa(512 if has else 256)
+

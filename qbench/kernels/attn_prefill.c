@@ -84,38 +84,10 @@ static inline void scale_row(float *o, float alpha, long hd) {
     for (long d = 0; d < hd; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), va));
 }
 
-/* o[d] = fma(p_j, v_j[d], o[d]) for j = 0 .. nj-1 in order: one chain per dimension, 64 dimensions' chains side
- * by side (a remainder of fewer, one 8-wide chain at a time, in the same order). */
-static inline void block_values_from(const float *p, const float *const *vrows, long nj, long hd, float *o, long d0) {
-    for (; d0 + 64 <= hd; d0 += 64) {
-        __m256 a0 = _mm256_loadu_ps(o + d0), a1 = _mm256_loadu_ps(o + d0 + 8), a2 = _mm256_loadu_ps(o + d0 + 16),
-               a3 = _mm256_loadu_ps(o + d0 + 24), a4 = _mm256_loadu_ps(o + d0 + 32), a5 = _mm256_loadu_ps(o + d0 + 40),
-               a6 = _mm256_loadu_ps(o + d0 + 48), a7 = _mm256_loadu_ps(o + d0 + 56);
-        for (long j = 0; j < nj; j++) {
-            const __m256 pj = _mm256_broadcast_ss(p + j);
-            const float *v = vrows[j] + d0;
-            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8), a1);
-            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 16), a2);
-            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 24), a3);
-            a4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 32), a4);
-            a5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 40), a5);
-            a6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 48), a6);
-            a7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 56), a7);
-        }
-        _mm256_storeu_ps(o + d0, a0); _mm256_storeu_ps(o + d0 + 8, a1); _mm256_storeu_ps(o + d0 + 16, a2);
-        _mm256_storeu_ps(o + d0 + 24, a3); _mm256_storeu_ps(o + d0 + 32, a4); _mm256_storeu_ps(o + d0 + 40, a5);
-        _mm256_storeu_ps(o + d0 + 48, a6); _mm256_storeu_ps(o + d0 + 56, a7);
-    }
-    for (; d0 < hd; d0 += 8) {
-        __m256 a = _mm256_loadu_ps(o + d0);
-        for (long j = 0; j < nj; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(vrows[j] + d0), a);
-        _mm256_storeu_ps(o + d0, a);
-    }
-}
-
+/* o[d] = fma(p_j, v_j[d], o[d]) for j = 0 .. nj-1 in order: one chain per dimension (vecmath.h's
+ * weighted_rows, which the paged attention's values use too). */
 static inline void block_values(const float *p, const float *const *vrows, long nj, long hd, float *o) {
-    block_values_from(p, vrows, nj, hd, o, 0);
+    weighted_rows(p, vrows, 0, nj, 0, hd, o);
 }
 
 /* The AVX-512 forms of block_scores2 and block_values (taken when qb_isa() == 512): a zmm holds 16 keys' chains
@@ -141,6 +113,19 @@ static AVX512 void block_scores2_512(const float *qs0, const float *qs1, const f
     _mm512_store_ps(s1, b0); _mm512_store_ps(s1 + 16, b1); _mm512_store_ps(s1 + 32, b2); _mm512_store_ps(s1 + 48, b3);
 }
 
+/* the keys [j, nj) of one row that the other row of block_values2_512 does not have, into its four chains */
+static AVX512 inline __attribute__((always_inline)) void values_rest_512(const float *p, long j, long nj,
+                                                                        const float *const *vrows, long d0,
+                                                                        __m512 *a0, __m512 *a1, __m512 *a2,
+                                                                        __m512 *a3) {
+    for (; j < nj; j++) {
+        const __m512 x = _mm512_set1_ps(p[j]);
+        const float *v = vrows[j] + d0;
+        *a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v), *a0); *a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 16), *a1);
+        *a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 32), *a2); *a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 48), *a3);
+    }
+}
+
 /* block_values for rows 0 and 1 (o1 NULL: row 0 alone), 64 dimensions at a time; a remainder of hd goes to the
  * AVX2 form, whose order is the same. */
 static AVX512 void block_values2_512(const float *p0, long nj0, float *o0, const float *p1, long nj1, float *o1,
@@ -163,19 +148,9 @@ static AVX512 void block_values2_512(const float *p0, long nj0, float *o0, const
             a2 = _mm512_fmadd_ps(x, v2, a2); b2 = _mm512_fmadd_ps(y, v2, b2);
             a3 = _mm512_fmadd_ps(x, v3, a3); b3 = _mm512_fmadd_ps(y, v3, b3);
         }
-        for (long i = j; i < nj0; i++) {
-            const __m512 x = _mm512_set1_ps(p0[i]);
-            const float *v = vrows[i] + d0;
-            a0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v), a0); a1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 16), a1);
-            a2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 32), a2); a3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(v + 48), a3);
-        }
+        values_rest_512(p0, j, nj0, vrows, d0, &a0, &a1, &a2, &a3);
         if (o1) {
-            for (long i = j; i < nj1; i++) {
-                const __m512 y = _mm512_set1_ps(p1[i]);
-                const float *v = vrows[i] + d0;
-                b0 = _mm512_fmadd_ps(y, _mm512_loadu_ps(v), b0); b1 = _mm512_fmadd_ps(y, _mm512_loadu_ps(v + 16), b1);
-                b2 = _mm512_fmadd_ps(y, _mm512_loadu_ps(v + 32), b2); b3 = _mm512_fmadd_ps(y, _mm512_loadu_ps(v + 48), b3);
-            }
+            values_rest_512(p1, j, nj1, vrows, d0, &b0, &b1, &b2, &b3);
             _mm512_storeu_ps(o1 + d0, b0); _mm512_storeu_ps(o1 + d0 + 16, b1); _mm512_storeu_ps(o1 + d0 + 32, b2);
             _mm512_storeu_ps(o1 + d0 + 48, b3);
         }
@@ -183,8 +158,8 @@ static AVX512 void block_values2_512(const float *p0, long nj0, float *o0, const
         _mm512_storeu_ps(o0 + d0 + 48, a3);
     }
     if (d0 < hd) {  /* the remainder: the AVX2 form on the columns left (it starts at a multiple of 64) */
-        block_values_from(p0, vrows, nj0, hd, o0, d0);
-        if (o1) block_values_from(p1, vrows, nj1, hd, o1, d0);
+        weighted_rows(p0, vrows, 0, nj0, d0, hd, o0);
+        if (o1) weighted_rows(p1, vrows, 0, nj1, d0, hd, o1);
     }
 }
 

@@ -470,17 +470,21 @@ static void group_to_i16(const float *x, long n, int16_t *q, float *scale, int32
     *sum = total;
 }
 
-/* -1 until first use; qb_set_isa(0) forces AVX2 (tests compare the two paths bit for bit). */
+/* -1 until first use; qb_set_isa(256) forces AVX2 (tests compare the two paths bit for bit). A request for
+ * AVX-512 on a CPU without it keeps AVX2: the AVX-512 code would die on an illegal instruction, and a test
+ * that restored "512" after forcing AVX2 did exactly that on an AVX2-only EPYC. */
 static int use_avx512 = -1;
 
-void qb_set_isa(int level) { use_avx512 = level >= 512; }
+static int cpu_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+void qb_set_isa(int level) { use_avx512 = level >= 512 && cpu_avx512(); }
 
 int qb_isa(void) {
-    if (use_avx512 < 0) {
-        __builtin_cpu_init();
-        use_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }
+    if (use_avx512 < 0) use_avx512 = cpu_avx512();
     return use_avx512 ? 512 : 256;
 }
 

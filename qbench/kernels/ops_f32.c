@@ -91,43 +91,6 @@ static inline __m128 dot4(const float *q, const float *k0, const float *k1, cons
 
 #define KEY_CHUNK 32
 
-/* acc[0..hd) += sum over keys j in [j0, j1) of p[j] * rows[j][0..hd), each element an FMA chain over j in
- * order (the scalar tail: a multiply, then an add), 64 dimensions at a time in registers. */
-static inline void weighted_rows(const float *p, const float *const *rows, long j0, long j1, long hd, float *acc) {
-    long d0 = 0;
-    for (; d0 + 64 <= hd; d0 += 64) {
-        float *a = acc + d0;
-        __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8), c2 = _mm256_loadu_ps(a + 16),
-               c3 = _mm256_loadu_ps(a + 24), c4 = _mm256_loadu_ps(a + 32), c5 = _mm256_loadu_ps(a + 40),
-               c6 = _mm256_loadu_ps(a + 48), c7 = _mm256_loadu_ps(a + 56);
-        for (long j = j0; j < j1; j++) {
-            const float *vr = rows[j] + d0;
-            __m256 pj = _mm256_set1_ps(p[j]);
-            c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), c0);
-            c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), c1);
-            c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), c2);
-            c3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), c3);
-            c4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 32), c4);
-            c5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 40), c5);
-            c6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 48), c6);
-            c7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 56), c7);
-        }
-        _mm256_storeu_ps(a, c0); _mm256_storeu_ps(a + 8, c1); _mm256_storeu_ps(a + 16, c2);
-        _mm256_storeu_ps(a + 24, c3); _mm256_storeu_ps(a + 32, c4); _mm256_storeu_ps(a + 40, c5);
-        _mm256_storeu_ps(a + 48, c6); _mm256_storeu_ps(a + 56, c7);
-    }
-    for (; d0 + 8 <= hd; d0 += 8) {
-        __m256 c = _mm256_loadu_ps(acc + d0);
-        for (long j = j0; j < j1; j++) c = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + d0), c);
-        _mm256_storeu_ps(acc + d0, c);
-    }
-    for (; d0 < hd; d0++) {
-        float c = acc[d0];
-        for (long j = j0; j < j1; j++) c += p[j] * rows[j][d0];
-        acc[d0] = c;
-    }
-}
-
 /* Attention over the block pool.
  * q: (B, T, nh, hd); out: (B, T, nh, hd); pool k/v: (num_blocks, bs, nkv, hd);
  * tables: (B, nblk) int64; qpos: (B, T) int64 absolute positions; qvalid: (B, T) uint8 or NULL.
@@ -179,7 +142,7 @@ void qb_paged_attention(const float *q, const float *kpool, const float *vpool, 
                 for (long j0 = 0; j0 < n; j0 += KEY_CHUNK) {
                     long j1 = j0 + KEY_CHUNK < n ? j0 + KEY_CHUNK : n;
                     for (long i = 0; i < g; i++)
-                        weighted_rows(scores + i * maxlen, rows, j0, j1, hd, o + i * hd);
+                        weighted_rows(scores + i * maxlen, rows, j0, j1, 0, hd, o + i * hd);
                 }
             }
         }

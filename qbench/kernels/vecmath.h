@@ -80,3 +80,41 @@ static inline void softmax_row(float *s, long n) {
     float inv = 1.0f / sum;
     for (j = 0; j < n; j++) s[j] *= inv;
 }
+
+/* acc[d0..hd) += sum over keys j in [j0, j1) of p[j] * rows[j][d0..hd), each element an FMA chain over j in
+ * order (the scalar tail: a multiply, then an add), 64 dimensions at a time in registers. The paged attention's
+ * values (ops_f32.c) and the prefill attention's (attn_prefill.c) both sum this way. */
+static inline void weighted_rows(const float *p, const float *const *rows, long j0, long j1, long d0, long hd,
+                                 float *acc) {
+    for (; d0 + 64 <= hd; d0 += 64) {
+        float *a = acc + d0;
+        __m256 c0 = _mm256_loadu_ps(a), c1 = _mm256_loadu_ps(a + 8), c2 = _mm256_loadu_ps(a + 16),
+               c3 = _mm256_loadu_ps(a + 24), c4 = _mm256_loadu_ps(a + 32), c5 = _mm256_loadu_ps(a + 40),
+               c6 = _mm256_loadu_ps(a + 48), c7 = _mm256_loadu_ps(a + 56);
+        for (long j = j0; j < j1; j++) {
+            const float *vr = rows[j] + d0;
+            __m256 pj = _mm256_set1_ps(p[j]);
+            c0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr), c0);
+            c1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 8), c1);
+            c2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 16), c2);
+            c3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 24), c3);
+            c4 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 32), c4);
+            c5 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 40), c5);
+            c6 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 48), c6);
+            c7 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr + 56), c7);
+        }
+        _mm256_storeu_ps(a, c0); _mm256_storeu_ps(a + 8, c1); _mm256_storeu_ps(a + 16, c2);
+        _mm256_storeu_ps(a + 24, c3); _mm256_storeu_ps(a + 32, c4); _mm256_storeu_ps(a + 40, c5);
+        _mm256_storeu_ps(a + 48, c6); _mm256_storeu_ps(a + 56, c7);
+    }
+    for (; d0 + 8 <= hd; d0 += 8) {
+        __m256 c = _mm256_loadu_ps(acc + d0);
+        for (long j = j0; j < j1; j++) c = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + d0), c);
+        _mm256_storeu_ps(acc + d0, c);
+    }
+    for (; d0 < hd; d0++) {
+        float c = acc[d0];
+        for (long j = j0; j < j1; j++) c += p[j] * rows[j][d0];
+        acc[d0] = c;
+    }
+}
