@@ -93,8 +93,9 @@ def machine_label(m: dict) -> str:
 
 def machine_lines(summary: dict) -> tuple[str | None, list[str]]:
     """Where the runs were computed: one sentence when every run was made on one machine, else a warning. Speed
-    is each machine's, and a quantized KV cache's figures and generated answers can move with another
-    instruction set's last bits, so a report that mixes machines says so, and names a run resumed on another."""
+    is each machine's, and quality figures computed off the fixed-order paths (torch's path, an fp16 or bf16 KV
+    pool, qbench before stop 54) can move with another instruction set's last bits, so a report that mixes
+    machines says so, and names a run resumed on another."""
     groups: dict = {}
     for name, ms in summary.get("machines", {}).items():
         groups.setdefault(tuple(machine_label(m) for m in ms) or ("(machine not recorded)",), []).append(name)
@@ -106,8 +107,9 @@ def machine_lines(summary: dict) -> tuple[str | None, list[str]]:
                                                                       if len(labels) > 1 else "")
                      for labels, names in groups.items())
     return None, [f"Different machines: the runs were not all computed on one machine ({said}). Speed and memory "
-                  f"compare only between runs of one machine, and the figures of a quantized KV cache and generated "
-                  f"answers can differ between instruction sets (README, \"What reproduces\")."]
+                  f"compare only between runs of one machine, and quality figures computed off the fixed-order paths (torch's "
+                  f"path, an fp16 or bf16 KV pool, qbench before stop 54) can differ between instruction sets "
+                  f"(README, \"What reproduces\")."]
 
 
 def digest_lines(summary: dict) -> list[str]:
