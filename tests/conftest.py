@@ -1,3 +1,4 @@
+import functools
 import os
 import subprocess
 import sys
@@ -24,8 +25,11 @@ def run_qbench(*args, env=None, timeout=900, cwd=None):
                           timeout=timeout, env=e, cwd=cwd)
 
 
+@functools.cache
 def native_isas() -> list[int]:
-    """The instruction-set paths of the native kernels this CPU can run (qb_set_isa): 256 = AVX2, 512 = AVX-512."""
+    """The instruction-set paths of the native kernels this CPU can run (qb_set_isa): 256 = AVX2, 512 = AVX-512.
+    Read once, from the dispatch as loading set it (the CPU, or QBENCH_ISA), before any test overrides it: a test
+    that forced AVX2 and then asked here would otherwise restore AVX2 for the rest of the session."""
     if not build.available():
         return []
     return [256, 512] if build.load().qb_isa() == 512 else [256]

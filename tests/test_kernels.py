@@ -140,7 +140,7 @@ def test_panel_gemm_is_one_fixed_order_chain_per_output(N, K):
     exact = (x.double() @ W.double().t() + b.double()).float()
     try:
         for isa in (512, 256):
-            if isa == 512 and build.kernel_path() == "avx2":
+            if isa not in native_isas():
                 continue
             lib.qb_set_isa(isa)
             whole = gemm_packed(x, P, b, N)
@@ -156,7 +156,7 @@ def test_panel_gemm_is_one_fixed_order_chain_per_output(N, K):
         Pr = pack_panels(Wr)
         chain = _fma_chain(xr, Wr, b)
         for isa in (512, 256):
-            if isa == 512 and build.kernel_path() == "avx2":
+            if isa not in native_isas():
                 continue
             lib.qb_set_isa(isa)
             got = gemm_packed(xr, Pr, b, N)
@@ -235,7 +235,7 @@ def test_prefill_attention_matches_the_paged_kernel(monkeypatch, lengths, prefix
     lib = build.load()
     try:
         for isa in (256, 512):
-            if isa == 512 and build.kernel_path() == "avx2":
+            if isa not in native_isas():
                 continue
             lib.qb_set_isa(isa)
             assert torch.equal(prefill_attention(q, cache.k, cache.v, tables, meta.positions, valid, 0.25), got)
@@ -282,5 +282,4 @@ def test_the_dispatch_never_takes_avx512_on_a_cpu_without_it():
         lib.qb_set_isa(256)
         assert lib.qb_isa() == 256
     finally:
-        lib.qb_set_isa(512 if has else 256)
-
+        lib.qb_set_isa(native_isas()[-1])
