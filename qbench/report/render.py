@@ -107,9 +107,9 @@ def machine_lines(summary: dict) -> tuple[str | None, list[str]]:
                                                                       if len(labels) > 1 else "")
                      for labels, names in groups.items())
     return None, [f"Different machines: the runs were not all computed on one machine ({said}). Speed and memory "
-                  f"compare only between runs of one machine, and quality figures computed off the fixed-order paths (torch's "
-                  f"path, an fp16 or bf16 KV pool, qbench before stop 54) can differ between instruction sets "
-                  f"(README, \"What reproduces\")."]
+                  f"compare only between runs of one machine, and quality figures computed off the fixed-order "
+                  f"paths (torch's path, an fp16 or bf16 KV pool, qbench before stop 54) can differ between "
+                  f"instruction sets (README, \"What reproduces\")."]
 
 
 def digest_lines(summary: dict) -> list[str]:
