@@ -217,7 +217,8 @@ void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, con
 #define ACC_I8A8(i) __m256i a##i##0 = _mm256_setzero_si256(), a##i##1 = a##i##0;
 #define ROW_I8A8(i) if (MT > i) { __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K2 + k));    \
                                   a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(w0, xb));         \
-                                  a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(w1, xb)); }
+                                  a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(w1, xb));         \
+                                  __asm__("" : "+x"(a##i##0), "+x"(a##i##1)); }  /* see gemm_q.c's ROWQ */
 #define PAIR_I8A8(r1) { __m128i r0 = _mm_loadu_si128((const __m128i *)(w + k * PANEL));                     \
                         __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));                      \
                         __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));                      \
