@@ -65,7 +65,10 @@ static inline __attribute__((always_inline)) void unpack_quad(const uint8_t *w, 
                    ROW8(0, kk) ROW8(1, kk) ROW8(2, kk) ROW8(3, kk) }
 #define ROW8(i, kk) if (MT > i) { __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x8 + i * K4 + (kk)));    \
                                   h##i##0 = _mm256_add_epi16(h##i##0, _mm256_maddubs_epi16(wlo, xb));       \
-                                  h##i##1 = _mm256_add_epi16(h##i##1, _mm256_maddubs_epi16(whi, xb)); }
+                                  h##i##1 = _mm256_add_epi16(h##i##1, _mm256_maddubs_epi16(whi, xb));       \
+                                  __asm__("" : "+x"(h##i##0), "+x"(h##i##1)); }
+/* The empty asm, as in gemm_q.c's ROWQ: without it GCC issued a quad's eight multiplies before any add, and a
+ * four-row tile kept row 3's sums and the nibble mask on the stack, a load and a store per quad. */
 /* int16 block sums -> the group's int32 sums. Up to two rows they stay in registers; with more, in memory: beside
  * them, a tile's accumulators would not fit the 16 ymm registers. So would six rows' int16 ones (12, beside the
  * codes, an activation, the mask and the shuffle): GCC kept those on the stack, a load and a store per add, so
