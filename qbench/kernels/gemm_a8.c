@@ -66,9 +66,7 @@ static inline __attribute__((always_inline)) void unpack_quad(const uint8_t *w, 
 #define ROW8(i, kk) if (MT > i) { __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x8 + i * K4 + (kk)));    \
                                   h##i##0 = _mm256_add_epi16(h##i##0, _mm256_maddubs_epi16(wlo, xb));       \
                                   h##i##1 = _mm256_add_epi16(h##i##1, _mm256_maddubs_epi16(whi, xb));       \
-                                  __asm__("" : "+x"(h##i##0), "+x"(h##i##1)); }
-/* The empty asm, as in gemm_q.c's ROWQ: without it GCC issued a quad's eight multiplies before any add, and a
- * four-row tile kept row 3's sums and the nibble mask on the stack, a load and a store per quad. */
+                                  HOLD_IN_REGS(h##i##0, h##i##1); }  /* panel.h */
 /* int16 block sums -> the group's int32 sums. Up to two rows they stay in registers; with more, in memory: beside
  * them, a tile's accumulators would not fit the 16 ymm registers. So would six rows' int16 ones (12, beside the
  * codes, an activation, the mask and the shuffle): GCC kept those on the stack, a load and a store per add, so
@@ -221,7 +219,7 @@ void qb_gemm_i4a8(const float *x, const uint8_t *wp, const uint16_t *scales, con
 #define ROW_I8A8(i) if (MT > i) { __m256i xb = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K2 + k));    \
                                   a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(w0, xb));         \
                                   a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(w1, xb));         \
-                                  __asm__("" : "+x"(a##i##0), "+x"(a##i##1)); }  /* see gemm_q.c's ROWQ */
+                                  HOLD_IN_REGS(a##i##0, a##i##1); }  /* panel.h */
 #define PAIR_I8A8(r1) { __m128i r0 = _mm_loadu_si128((const __m128i *)(w + k * PANEL));                     \
                         __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));                      \
                         __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));                      \

@@ -241,16 +241,10 @@ static inline void unpack_pair(const uint8_t *w, __m256i *lo, __m256i *hi) {
     *hi = _mm256_srli_epi16(b, 4);
 }
 
-/* The empty asm after each row's two adds holds its accumulators in registers, in that order. Without it GCC
- * re-associated the four unrolled pairs' int32 adds into trees whose partial sums outgrew the 16 ymm registers,
- * and a six-row tile stored and reloaded them on the stack every pair: at batch 32 on an AVX2 EPYC the kernel ran
- * at 77-84 GMAC/s, no faster than the fp32 panel GEMM (its multiplies, vpmaddwd, do twice FMA's multiply-adds per
- * instruction at the same rate); with it, 98-115 (SmolLM2's shapes). Integer sums are exact in any order: the
- * same bits. */
 #define ROWQ(i, kk) if (MT > i) { __m256i xp = _mm256_set1_epi32(*(const int32_t *)(x16 + i * K4 + (kk))); \
                                   a##i##0 = _mm256_add_epi32(a##i##0, _mm256_madd_epi16(wlo, xp));   \
                                   a##i##1 = _mm256_add_epi32(a##i##1, _mm256_madd_epi16(whi, xp));   \
-                                  __asm__("" : "+x"(a##i##0), "+x"(a##i##1)); }
+                                  HOLD_IN_REGS(a##i##0, a##i##1); }  /* panel.h */
 #define CLOSEQ(i) if (MT > i) {                                                                      \
         __m256i zs = _mm256_set1_epi32(xs16[i * ngroups + gi]);                                      \
         __m256 sx = _mm256_set1_ps(sx16[i * ngroups + gi]);                                          \

@@ -94,6 +94,15 @@ static inline long tile_rows(long M, long t) { return split_rows(M, t, 6); }
 #define PREFETCH_Q(p) _mm_prefetch((const char *)(p) + PF_DIST_Q, _MM_HINT_T0)
 #define PREFETCH(p) _mm_prefetch((const char *)(p) + PF_DIST, _MM_HINT_T0)
 
+/* An integer tile's row of two accumulators, held in registers: an empty asm after the row's adds, which GCC
+ * must take in that order. Without it GCC re-ordered the AVX2 tiles' adds (INT4 and W8A8: the four unrolled
+ * k-pairs' int32 adds into trees; W4A8: a quad's eight multiplies before any add), their live values outgrew
+ * the 16 ymm registers, and it stored and reloaded accumulators on the stack every step: at batch 32 on an
+ * AVX2 EPYC the INT4 kernel ran at 77-84 GMAC/s, no faster than the fp32 panel GEMM (vpmaddwd does twice FMA's
+ * multiply-adds per instruction at the same rate); held, 98-115 (SmolLM2's shapes). Integer sums are exact in
+ * any order: the same bits. */
+#define HOLD_IN_REGS(a, b) __asm__("" : "+x"(a), "+x"(b))
+
 /* fn(MT, args...) with MT a compile-time constant from 1 to 6, so each tile inlines with its own row count. */
 #define SWITCH_ROWS(mt, fn, ...) switch (mt) {                                                       \
         case 6: fn(6, __VA_ARGS__); break;                                                           \
