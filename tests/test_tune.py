@@ -134,6 +134,38 @@ def test_a_replayed_unit_equals_the_whole_model_forward_of_a_really_quantized_co
     assert torch.equal(_logits(model, ids), _logits(load_model(folder, torch.float32), ids))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_head_in_row_chunks_gives_the_same_bits_as_one_pass(tiny_models, family, monkeypatch):
+    """The reference and every replay run the head, log-softmax and divergence a chunk of scored rows at a time;
+    chunks that split windows (and a short last chunk) must not change a bit of what one pass over all rows gives,
+    nor the golden full-vocabulary KLD of the fp model against itself with one linear perturbed."""
+    import qbench.tune.reference as reference
+    model = load_model(tiny_models[family][0], torch.float32)
+    ids = torch.randint(2, 128, (3, 24), generator=torch.Generator().manual_seed(2))
+    lin = model.get_submodule(units(model, "linear")[-1].linears[0])
+    W = lin.weight.detach().clone()
+    out = {}
+    for rows in (128, 5):
+        monkeypatch.setattr(reference, "ROWS", rows)
+        ref = Reference(model, ids)
+        lin.set_weight(W * 1.05)
+        try:
+            out[rows] = (ref.nll_fp(), ref.replay(model.config.num_layers - 1))
+        finally:
+            lin.set_weight(W)
+    assert out[128][0].shape == (3 * 11,)
+    assert torch.equal(out[128][0], out[5][0])
+    for k in ("kld", "nll"):
+        assert torch.equal(out[128][1][k], out[5][1][k]), k
+    p = torch.log_softmax(_logits(model, ids)[:, 12:-1].float(), -1).reshape(-1, model.config.vocab_size)
+    lin.set_weight(W * 1.05)
+    lq = torch.log_softmax(_logits(model, ids)[:, 12:-1].float(), -1).reshape(p.shape)
+    lin.set_weight(W)
+    slow = (p.exp() * (p - lq)).sum(-1)
+    assert slow.mean() > 0
+    torch.testing.assert_close(out[5][1]["kld"], slow.clamp(min=0), rtol=2e-3, atol=1e-6)
+
+
 def test_a_tuned_recipe_is_a_valid_recipe_with_one_override_per_unit_off_the_base(tiny_models):
     model = load_model(tiny_models["llama"][0], torch.float32)
     us = {u.name: u for u in units(model, "linear")}

@@ -4,6 +4,11 @@ effect of quantizing one unit is measured by replaying only the blocks from that
 Scoring follows llama.cpp's chunked convention (as the KLD eval): in a window of T tokens only positions
 T/2 .. T-2 are scored, each predicting the next token with at least T/2 tokens of context. The KL divergence
 is exact over the full vocabulary (not the eval's top-K bound).
+
+The head, the log-softmax and the divergence run ROWS scored positions at a time: a replay's whole (S, T/2 - 1, V)
+logits would be 620 MB on Qwen's 152k vocabulary at the default windows, and allocating, faulting in and
+streaming three such temporaries per replay cost as much as the head's GEMM. Every row's figures are the same bits
+either way (each row's GEMM, log-softmax and sums are its own).
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import torch
 
 from qbench.quant.passes import block_forward
 from qbench.engine.scoring import log_softmax
+
+
+ROWS = 128  # scored positions per head GEMM: enough rows that the head's weights are not streamed too often
 
 
 class Reference:
@@ -28,19 +36,31 @@ class Reference:
                 x = block_forward(model.config, block, x)
                 if keep_inputs:  # else only whole-model replays (start 0) are possible
                     self.inputs.append(x)
-            self.logp = self._logprobs(x)  # (S, T/2 - 1, V)
-        self.targets = windows[:, self.first + 1:]  # (S, T/2 - 1)
-        self.nll = -self.logp.gather(-1, self.targets[..., None])[..., 0]
+            h = self._scored(x)  # (N, H), N = S * (T/2 - 1)
+            self.logp = torch.cat([log_softmax(self.model.lm_head(h[i: i + ROWS]).float())
+                                   for i in range(0, h.shape[0], ROWS)])  # (N, V)
+        self.targets = windows[:, self.first + 1:].reshape(-1)  # (N,)
+        self.nll = -self.logp.gather(-1, self.targets[:, None])[:, 0]
 
     @property
     def tokens(self) -> int:
         return self.targets.numel()
 
-    def _logprobs(self, x: torch.Tensor, model=None) -> torch.Tensor:
-        """Hidden states after the last block (S, T, H) -> log-probs (S, T/2 - 1, V) at the scored positions."""
+    def _scored(self, x: torch.Tensor, model=None) -> torch.Tensor:
+        """Hidden states after the last block (S, T, H) -> the final-normed scored positions (N, H)."""
         model = self.model if model is None else model
-        h = x[:, self.first: -1]
-        return log_softmax(model.lm_head(model.final_norm(h)).float())
+        return model.final_norm(x[:, self.first: -1]).reshape(-1, x.shape[-1])
+
+    def _compare(self, h: torch.Tensor, model) -> dict[str, torch.Tensor]:
+        """Scored hidden states (N, H) through ``model``'s head -> per row KL(fp || model) and -log p(target)."""
+        kld, nll = torch.empty(h.shape[0]), torch.empty(h.shape[0])
+        for i in range(0, h.shape[0], ROWS):
+            rows = slice(i, i + ROWS)
+            lq = log_softmax(model.lm_head(h[rows]).float())  # (ROWS, V)
+            p = self.logp[rows]
+            kld[rows] = (p.exp() * (p - lq)).sum(-1)
+            nll[rows] = -lq.gather(-1, self.targets[rows, None])[:, 0]
+        return {"kld": kld.clamp_(min=0), "nll": nll}
 
     def replay(self, start: int = 0, model=None) -> dict[str, torch.Tensor]:
         """The fp model as it is now (some units fake-quantized), or another ``model`` of the same architecture
@@ -56,10 +76,7 @@ class Reference:
                 x = model.embed(self.windows, torch.arange(T).expand(S, T))
             for block in model.blocks[start:]:
                 x = block_forward(model.config, block, x)
-            lq = self._logprobs(x, model)
-            kld = (self.logp.exp() * (self.logp - lq)).sum(-1).clamp(min=0)
-            nll = -lq.gather(-1, self.targets[..., None])[..., 0]
-        return {"kld": kld.reshape(-1), "nll": nll.reshape(-1)}
+            return self._compare(self._scored(x, model), model)
 
     def nll_fp(self) -> torch.Tensor:
-        return self.nll.reshape(-1)
+        return self.nll
