@@ -206,27 +206,23 @@ UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70
 QUANTIZED = ("kc", "ks", "km", "vc", "vs", "vm")  # a quantized pool's stored blocks (not its fp32 residual ring)
 
 
-def decode_logits(model, scheme, kernel: bool, monkeypatch, stored: list | None = None):
-    """Every decode step's logits for UNEVEN, teacher-forced on fixed continuations; with ``stored``, also every
-    step's quantized blocks (layer by layer, as bytes)."""
+def decode_logits(model, scheme, kernel: bool, monkeypatch, stored: list):
+    """Every decode step's logits for UNEVEN, teacher-forced on fixed continuations; into ``stored``, every step's
+    quantized blocks (layer by layer, as bytes)."""
     with monkeypatch.context() as m:
         if not kernel:  # the dense read; with the kernel, the pool's own choice
             m.setattr(QuantBlockKV, "decode_kernel", property(lambda self: False))
         eng = Engine(model, block_size=BS, kv_capacity_tokens=1024, kv_scheme=scheme)
         assert all(layer.decode_kernel == kernel for layer in eng.pool.layers)
-        if stored is not None:  # blocks not yet written hold whatever the allocation left
-            for layer in eng.pool.layers:
-                for n in QUANTIZED:
-                    if layer.s.get(n) is not None:
-                        layer.s[n].zero_()
+        pools = [layer.s[n] for layer in eng.pool.layers for n in QUANTIZED if layer.s.get(n) is not None]
+        for t in pools:  # blocks not yet written hold whatever the allocation left
+            t.zero_()
         seen = []
         orig = eng.runner.decode
 
         def decode(seqs):
             seen.append(orig(seqs))
-            if stored is not None:
-                stored.append([layer.s[n].flatten().view(torch.uint8).clone() for layer in eng.pool.layers
-                               for n in QUANTIZED if layer.s.get(n) is not None])
+            stored.append([t.flatten().view(torch.uint8).clone() for t in pools])
             return seen[-1]
         eng.runner.decode = decode
         eng.generate(UNEVEN, SamplingParams(max_new_tokens=24, ignore_eos=True))

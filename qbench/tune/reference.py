@@ -36,9 +36,7 @@ class Reference:
                 x = block_forward(model.config, block, x)
                 if keep_inputs:  # else only whole-model replays (start 0) are possible
                     self.inputs.append(x)
-            h = self._scored(x)  # (N, H), N = S * (T/2 - 1)
-            self.logp = torch.cat([log_softmax(self.model.lm_head(h[i: i + ROWS]).float())
-                                   for i in range(0, h.shape[0], ROWS)])  # (N, V)
+            self.logp = torch.cat([lp for _, lp in self._head(self._scored(x, model), model)])  # (N, V)
         self.targets = windows[:, self.first + 1:].reshape(-1)  # (N,)
         self.nll = -self.logp.gather(-1, self.targets[:, None])[:, 0]
 
@@ -46,17 +44,21 @@ class Reference:
     def tokens(self) -> int:
         return self.targets.numel()
 
-    def _scored(self, x: torch.Tensor, model=None) -> torch.Tensor:
+    def _scored(self, x: torch.Tensor, model) -> torch.Tensor:
         """Hidden states after the last block (S, T, H) -> the final-normed scored positions (N, H)."""
-        model = self.model if model is None else model
         return model.final_norm(x[:, self.first: -1]).reshape(-1, x.shape[-1])
+
+    @staticmethod
+    def _head(h: torch.Tensor, model):
+        """Scored hidden states (N, H) -> (rows, their log-probs (ROWS, V)), ROWS rows at a time."""
+        for i in range(0, h.shape[0], ROWS):
+            rows = slice(i, i + ROWS)
+            yield rows, log_softmax(model.lm_head(h[rows]).float())
 
     def _compare(self, h: torch.Tensor, model) -> dict[str, torch.Tensor]:
         """Scored hidden states (N, H) through ``model``'s head -> per row KL(fp || model) and -log p(target)."""
         kld, nll = torch.empty(h.shape[0]), torch.empty(h.shape[0])
-        for i in range(0, h.shape[0], ROWS):
-            rows = slice(i, i + ROWS)
-            lq = log_softmax(model.lm_head(h[rows]).float())  # (ROWS, V)
+        for rows, lq in self._head(h, model):
             p = self.logp[rows]
             kld[rows] = (p.exp() * (p - lq)).sum(-1)
             nll[rows] = -lq.gather(-1, self.targets[rows, None])[:, 0]
