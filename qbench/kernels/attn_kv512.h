@@ -39,6 +39,40 @@ static inline __attribute__((always_inline)) void score_row512(const int NG, int
     for (int i = 0; i < NG; i++) _mm256_storeu_ps(out + i * ostride, _mm256_add_ps(lo256(a[i]), hi256(a[i])));
 }
 
+/* score_row512 over a block's nrow natural-order rows (rstride bytes apart), MODE a compile-time constant,
+ * two rows a pass: six chains (three heads) hide the FMA latency that one row's 4-deep chain per head left
+ * exposed, and no row pays for the format dispatch. Each row's sums are score_row512's, in its order. */
+static inline __attribute__((always_inline)) void score_rows512(const int NG, const int MODE, const char *rows,
+                                                                long rstride, long nrow, const float *qh, long hd,
+                                                                float *out, long ostride) {
+    long r = 0;
+    for (; r + 2 <= nrow && hd % 16 == 0; r += 2) {
+        const char *r0 = rows + r * rstride, *r1 = r0 + rstride;
+        __m512 a[8], b[8];
+        for (int i = 0; i < NG; i++) a[i] = b[i] = _mm512_setzero_ps();
+        for (long d = 0; d < hd; d += 16) {
+            __m512 v = load16(MODE, r0, d), w = load16(MODE, r1, d);
+            for (int i = 0; i < NG; i++) {
+                __m512 q = _mm512_loadu_ps(qh + i * hd + d);
+                a[i] = _mm512_fmadd_ps(q, v, a[i]);
+                b[i] = _mm512_fmadd_ps(q, w, b[i]);
+            }
+        }
+        for (int i = 0; i < NG; i++) {
+            _mm256_storeu_ps(out + i * ostride + r * 8, _mm256_add_ps(lo256(a[i]), hi256(a[i])));
+            _mm256_storeu_ps(out + i * ostride + r * 8 + 8, _mm256_add_ps(lo256(b[i]), hi256(b[i])));
+        }
+    }
+    for (; r < nrow; r++) score_row512(NG, MODE, rows + r * rstride, qh, hd, hd, out + r * 8, ostride);
+}
+
+#define SCORE_ROWS_MODE(MODE, NG, ...) score_rows512(NG, MODE, __VA_ARGS__)
+#define SCORE_ROWS512(NG, mode, ...) switch (mode) {                                                  \
+        case KV_F16: SCORE_ROWS_MODE(KV_F16, NG, __VA_ARGS__); break;                                 \
+        case KV_BF16: SCORE_ROWS_MODE(KV_BF16, NG, __VA_ARGS__); break;                               \
+        case KV_FP8: SCORE_ROWS_MODE(KV_FP8, NG, __VA_ARGS__); break;                                 \
+        default: SCORE_ROWS_MODE(KV_F32, NG, __VA_ARGS__); break; }
+
 /* field t of BITS-bit codes widened to int32 lanes, as float: the lowest field needs no shift, the highest
  * no mask */
 static inline __attribute__((always_inline)) __m512 field512(__m512i u, const int t, const int BITS) {

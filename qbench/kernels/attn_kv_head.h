@@ -29,18 +29,25 @@ static void ATTEND(const kv_call *C, kv_scratch *S, long bt, long kh) {
         if (in_ring || K->mode != KV_CHANNEL) {
             const int mode = in_ring ? KV_F32 : K->mode;
             for (long r = 0; r < nrow; r++) {
-                const void *row = span_row(&sp, off0 + r, nkv, hd, krb);
                 rowf[r] = C->scale;
                 if (!in_ring && K->mode == KV_FP8) rowf[r] *= half_to_float(K->scale[blk * bs + off0 + r]);
+            }
+#if WIDE
+            const char *rows = (const char *)span_row(&sp, off0, nkv, hd, krb);
+            const long rstride = in_ring ? nkv * hd * (long)sizeof(float) : nkv * krb;
+            for (long i0 = 0; i0 < g; i0 += 8) {
+                long ng = g - i0 < 8 ? g - i0 : 8;
+                SWITCH_HEADS(ng, SCORE_ROWS512, mode, rows, rstride, nrow, qh + i0 * hd, hd, raw + i0 * bs * 8, bs * 8)
+            }
+#else
+            for (long r = 0; r < nrow; r++) {
+                const void *row = span_row(&sp, off0 + r, nkv, hd, krb);
                 for (long i0 = 0; i0 < g; i0 += 8) {
                     long ng = g - i0 < 8 ? g - i0 : 8;
-#if WIDE
-                    SWITCH_HEADS(ng, score_row512, mode, row, qh + i0 * hd, hd, hd, raw + (i0 * bs + r) * 8, bs * 8)
-#else
                     SWITCH_HEADS(ng, score_row, mode, row, qh + i0 * hd, hd, hd, raw + (i0 * bs + r) * 8, bs * 8)
-#endif
                 }
             }
+#endif
             close_scores(raw, g, bs, nrow, NULL, rowf, scores + j0 - start, maxlen);
             continue;
         }
