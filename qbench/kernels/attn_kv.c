@@ -91,9 +91,15 @@ static inline kv_span span_at(long jb, long start, long end, long bs, const int6
     return sp;
 }
 
-/* row off of a span: an fp32 ring row, or a pool row of rb bytes */
+/* bytes from one row of a span to the next: an fp32 ring's rows, or the pool's rows of rb bytes, nkv to a
+ * position */
+static inline long span_stride(const kv_span *sp, long nkv, long hd, long rb) {
+    return sp->ring ? nkv * hd * (long)sizeof(float) : nkv * rb;
+}
+
+/* row off of a span */
 static inline const void *span_row(const kv_span *sp, long off, long nkv, long hd, long rb) {
-    return sp->ring ? (const void *)(sp->ring + off * nkv * hd) : (const void *)(sp->codes + off * nkv * rb);
+    return (sp->ring ? (const char *)sp->ring : (const char *)sp->codes) + off * span_stride(sp, nkv, hd, rb);
 }
 
 #include "attn_kv256.h"

@@ -34,7 +34,7 @@ static void ATTEND(const kv_call *C, kv_scratch *S, long bt, long kh) {
             }
 #if WIDE
             const char *rows = (const char *)span_row(&sp, off0, nkv, hd, krb);
-            const long rstride = in_ring ? nkv * hd * (long)sizeof(float) : nkv * krb;
+            const long rstride = span_stride(&sp, nkv, hd, krb);
             for (long i0 = 0; i0 < g; i0 += 8) {
                 long ng = g - i0 < 8 ? g - i0 : 8;
                 SWITCH_HEADS(ng, SCORE_ROWS512, mode, rows, rstride, nrow, qh + i0 * hd, hd, raw + i0 * bs * 8, bs * 8)
