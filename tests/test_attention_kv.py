@@ -200,6 +200,47 @@ def test_a_padded_query_row_gets_zeros_and_leaves_the_others_alone():
     assert torch.equal(part[0], full[0]) and not part[1].any()
 
 
+@needs_kernel
+@pytest.mark.parametrize("hd, nh, nkv", [(64, 9, 3), (64, 14, 2), (32, 8, 4)])
+@pytest.mark.parametrize("scheme", [KVScheme(8, 8), KVScheme(4, 2), KVScheme(8, 8, scheme="fp8"), KVScheme(16, 4),
+                                    "fp16"], ids=str)
+def test_a_task_that_reads_every_kv_head_gives_the_bits_of_one_head_a_task(scheme, hd, nh, nkv):
+    """With rows enough for the threads, a task takes all KV heads of its row, block by block (the pool row is
+    read once); with few rows, one head a task. Each head's sums keep their order, so the two agree bit for bit."""
+    gen = torch.Generator().manual_seed(nh)
+    b = Batch([5, 37, 70, 16], nblk=8)
+    if scheme == "fp16":
+        layer = KVPool(1, 64, BS, nkv, hd, torch.float16).layers[0]
+        for i in range(max(b.lens)):
+            rows = [r for r, n in enumerate(b.lens) if i < n]
+            slots = torch.tensor([int(b.tables[r, i // BS]) * BS + i % BS for r in rows])
+            layer.write(slots, *kv_like(len(rows), nkv, hd, gen))
+        meta = b.meta([1] * 4)
+
+        def attend(q):
+            return ops.attention_kv(q, meta.block_tables, meta.positions, None, meta.context_lens, *layer.sources(),
+                                    window=None, scale=0.125)
+    else:
+        layer = QuantKVPool(1, 64, BS, nkv, hd, torch.float32, scheme, max_seqs=4).layers[0]
+        layer.write_meta(b.meta(b.lens), *kv_like(sum(b.lens), nkv, hd, gen))
+        b.lens = [n + 1 for n in b.lens]
+        meta = b.meta([1] * 4)
+        layer.write_meta(meta, *kv_like(4, nkv, hd, gen))
+
+        def attend(q):
+            return layer.attend_decode(q, meta, None, 0.125)
+    q = torch.randn(4, 1, nh, hd, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 4 rows >= 2 x 1 thread: every head of a row in one task
+        together = attend(q)
+        torch.set_num_threads(4)  # 4 rows < 2 x 4 threads: one head a task
+        apart = attend(q)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, apart)
+
+
 UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70))]
 
 
