@@ -14,9 +14,9 @@
  *
  * Work is split per query row and range of KV heads into attn_kv_head.h's tasks, compiled twice: with the
  * AVX2 helpers below, and with attn_kv512.h's AVX-512 helpers under a target pragma (taken when
- * qb_isa() == 512). A score
- * leaves its kernel as 8 partial sums and close_scores adds eight rows' at once (hsum256x8, hsum256's tree),
- * so both paths, and the fp16/bf16 baselines, sum every element in the same order: the same bits.
+ * qb_isa() == 512). A score leaves its kernel as 8 partial sums and close_scores adds eight rows' at once
+ * (hsum256x8, hsum256's tree), so both paths, and the fp16/bf16 baselines, sum every element in the same
+ * order: the same bits.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -213,6 +213,28 @@ typedef struct { long bt, b, start, end, nq, slot; const int64_t *tab; } kv_task
 /* n floats, 64-byte aligned (aligned_alloc wants a size that is a multiple of the alignment) */
 static float *falloc64(long n) { return (float *)aligned_alloc(64, (sizeof(float) * n + 63) & ~63UL); }
 
+/* one head's buffers in a task */
+static kv_scratch scratch_new(const kv_call *C) {
+    const long g = C->g, bs = C->bs;
+    return (kv_scratch){.scores = (float *)malloc(sizeof(float) * (g * C->maxlen + 16)),
+                        .qp = falloc64(g * MAXHD),
+                        .qs = falloc64(g * MAXHD),
+                        .accn = falloc64(g * MAXHD),
+                        .accp = falloc64(g * MAXHD),
+                        .bias = (float *)malloc(sizeof(float) * g * (C->nvg + 1)),
+                        .c0 = (float *)malloc(sizeof(float) * g),
+                        .sblk = falloc64(2 * MAXHD),
+                        .sperm = falloc64(MAXHD),
+                        .raw = falloc64(g * bs * 8),
+                        .rowf = (float *)malloc(sizeof(float) * 2 * bs),
+                        .wbuf = (float *)malloc(sizeof(float) * g * bs)};
+}
+
+static void scratch_free(kv_scratch *S) {
+    free(S->scores); free(S->qp); free(S->qs); free(S->accn); free(S->accp); free(S->bias);
+    free(S->c0); free(S->sblk); free(S->sperm); free(S->raw); free(S->rowf); free(S->wbuf);
+}
+
 #define WIDE 0
 #define SFX(f) f##_avx2
 #include "attn_kv_head.h"
@@ -256,7 +278,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
     C->vper = vmode == KV_TOKEN ? 8 / vbits : 1;
     C->vC = 8 * C->vper;
     C->nvg = vmode == KV_TOKEN ? hd / vg : 1;
-    const long kC = 8 * C->kper, vC = C->vC, g = C->g;
+    const long kC = 8 * C->kper, vC = C->vC;
     const int kper = C->kper, vper = C->vper;
     for (long d = 0; d < hd; d++) {
         C->kinv[(d / kC) * kC + (d % kC % kper) * 8 + d % kC / kper] = (int)d;
@@ -274,30 +296,14 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
     #pragma omp parallel num_threads(nthreads)
     {
         kv_scratch S[MAXKV];
-        for (long h = 0; h < hpt; h++)
-            S[h] = (kv_scratch){
-                .scores = (float *)malloc(sizeof(float) * (g * C->maxlen + 16)),
-                .qp = falloc64(g * MAXHD),
-                .qs = falloc64(g * MAXHD),
-                .accn = falloc64(g * MAXHD),
-                .accp = falloc64(g * MAXHD),
-                .bias = (float *)malloc(sizeof(float) * g * (C->nvg + 1)),
-                .c0 = (float *)malloc(sizeof(float) * g),
-                .sblk = falloc64(2 * MAXHD),
-                .sperm = falloc64(MAXHD),
-                .raw = falloc64(g * bs * 8),
-                .rowf = (float *)malloc(sizeof(float) * 2 * bs),
-                .wbuf = (float *)malloc(sizeof(float) * g * bs)};
+        for (long h = 0; h < hpt; h++) S[h] = scratch_new(C);
         #pragma omp for schedule(dynamic, 1) collapse(2)
         for (long bt = 0; bt < B * T; bt++)
             for (long t = 0; t < nt; t++) {
                 if (wide) attend_avx512(C, S, bt, t * hpt, (t + 1) * hpt);
                 else attend_avx2(C, S, bt, t * hpt, (t + 1) * hpt);
             }
-        for (long h = 0; h < hpt; h++) {
-            free(S[h].scores); free(S[h].qp); free(S[h].qs); free(S[h].accn); free(S[h].accp); free(S[h].bias);
-            free(S[h].c0); free(S[h].sblk); free(S[h].sperm); free(S[h].raw); free(S[h].rowf); free(S[h].wbuf);
-        }
+        for (long h = 0; h < hpt; h++) scratch_free(&S[h]);
     }
     free(C);
 }
