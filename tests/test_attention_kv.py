@@ -39,6 +39,13 @@ class Batch:
         self.tables = torch.arange(B * nblk, dtype=torch.int64).view(B, nblk).flip(1).contiguous()  # scattered
         self.slots = torch.arange(B, dtype=torch.int64)
 
+    def write_tokens(self, layer, nkv, hd, gen):
+        """Every row's keys and values written one position at a time at its slots (an fp16/bf16 pool's write)."""
+        for i in range(max(self.lens)):
+            rows = [r for r, n in enumerate(self.lens) if i < n]
+            slots = torch.tensor([int(self.tables[r, i // BS]) * BS + i % BS for r in rows])
+            layer.write(slots, *kv_like(len(rows), nkv, hd, gen))
+
     def meta(self, new):
         """Metadata once ``new`` tokens per row are written (prefill: the rows' whole lengths)."""
         ctx = torch.tensor(self.lens, dtype=torch.int64)
@@ -147,10 +154,7 @@ def test_the_avx512_path_reads_an_fp16_or_bf16_pool_to_the_avx2_bits(dtype, hd, 
     layer = pool.layers[0]
     gen = torch.Generator().manual_seed(hd)
     b = Batch([3, 40, 65], nblk=6)
-    for i in range(max(b.lens)):
-        rows = [r for r, n in enumerate(b.lens) if i < n]
-        slots = torch.tensor([int(b.tables[r, i // BS]) * BS + i % BS for r in rows])
-        layer.write(slots, *kv_like(len(rows), nkv, hd, gen))
+    b.write_tokens(layer, nkv, hd, gen)
     meta = b.meta([1] * 3)
     q = torch.randn(3, 1, nh, hd, generator=gen)
     k_src, v_src = layer.sources()
@@ -169,11 +173,7 @@ def test_an_fp16_or_bf16_pool_is_read_as_stored(dtype):
     assert layer.native
     gen = torch.Generator().manual_seed(0)
     b = Batch([3, 40, 65], nblk=6)
-    for i in range(max(b.lens)):  # write token by token at each row's slots
-        rows = [r for r, n in enumerate(b.lens) if i < n]
-        slots = torch.tensor([int(b.tables[r, i // BS]) * BS + i % BS for r in rows])
-        k, v = kv_like(len(rows), nkv, hd, gen)
-        layer.write(slots, k, v)
+    b.write_tokens(layer, nkv, hd, gen)
     meta = b.meta([1] * 3)
     q = torch.randn(3, 1, nh, hd, generator=gen)
     for window in (None, 16):
@@ -211,10 +211,7 @@ def test_a_task_that_reads_every_kv_head_gives_the_bits_of_one_head_a_task(schem
     b = Batch([5, 37, 70, 16], nblk=8)
     if scheme == "fp16":
         layer = KVPool(1, 64, BS, nkv, hd, torch.float16).layers[0]
-        for i in range(max(b.lens)):
-            rows = [r for r, n in enumerate(b.lens) if i < n]
-            slots = torch.tensor([int(b.tables[r, i // BS]) * BS + i % BS for r in rows])
-            layer.write(slots, *kv_like(len(rows), nkv, hd, gen))
+        b.write_tokens(layer, nkv, hd, gen)
         meta = b.meta([1] * 4)
 
         def attend(q):

@@ -93,10 +93,15 @@ static inline kv_span span_at(long jb, long start, long end, long bs, const int6
     return sp;
 }
 
-/* bytes from one row of a span to the next: an fp32 ring's rows, or the pool's rows of rb bytes, nkv to a
- * position */
+/* bytes from one KV head's slice of a span's row to the next head's: an fp32 ring's hd floats, or the pool's
+ * rb bytes */
+static inline long span_head_step(const kv_span *sp, long hd, long rb) {
+    return sp->ring ? hd * (long)sizeof(float) : rb;
+}
+
+/* bytes from one row of a span to the next: nkv head slices to a position */
 static inline long span_stride(const kv_span *sp, long nkv, long hd, long rb) {
-    return sp->ring ? nkv * hd * (long)sizeof(float) : nkv * rb;
+    return nkv * span_head_step(sp, hd, rb);
 }
 
 /* row off of a span */

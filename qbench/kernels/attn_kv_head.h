@@ -16,7 +16,7 @@ static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
     const long j0 = sp.j0, j1 = sp.j1, blk = sp.blk;
     const int in_ring = sp.ring != NULL;
     const long nrow = j1 - j0, off0 = j0 - jb * bs;
-    const long hstep = in_ring ? hd * (long)sizeof(float) : krb;  /* bytes from one head's row slice to the next */
+    const long hstep = span_head_step(&sp, hd, krb);  /* bytes from one head's row slice to the next */
     float *rowf = S->rowf;  /* each row's multiplier, for every head */
     if (in_ring || K->mode != KV_CHANNEL) {
         const int mode = in_ring ? KV_F32 : K->mode;
@@ -56,7 +56,7 @@ static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
     long r = 0;
     for (; r + 2 <= nrow; r += 2)
         for (long h = 0; h < nh; h++) {
-            const uint8_t *row = sp.codes + (off0 + r) * rs + h * krb;
+            const uint8_t *row = sp.codes + (off0 + r) * rs + h * hstep;
             const float *qs = S[h].qs;
             float *out = S[h].raw + r * 8;
 #if WIDE
@@ -75,7 +75,7 @@ static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
         }
     for (; r < nrow; r++)
         for (long h = 0; h < nh; h++) {
-            const uint8_t *row = sp.codes + (off0 + r) * rs + h * krb;
+            const uint8_t *row = sp.codes + (off0 + r) * rs + h * hstep;
             for (long i0 = 0; i0 < g; i0 += 8) {
                 long ng = g - i0 < 8 ? g - i0 : 8;
                 SWITCH_HEADS(ng, score_codes, row, S[h].qs + i0 * MAXHD, hd, kper, kbits, S[h].raw + (i0 * bs + r) * 8, bs * 8)
