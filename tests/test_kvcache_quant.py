@@ -200,3 +200,47 @@ def test_a_pool_of_the_same_byte_budget_holds_correspondingly_more_tokens(tiny_m
     with pytest.raises(Exception, match="KV tokens but the pool holds"):
         fp.generate([long], sp)
     assert len(q4.generate([long], sp)[0].output_ids) == 8
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:6] + [KVScheme(4, 4, v_group=16, residual=32)], ids=lambda s: s.describe())
+def test_prefill_writes_quantize_every_leaving_block_as_one_block_alone(scheme):
+    """write_meta quantizes all rows' leaving blocks of a step in one call per codec; each block's codes and
+    statistics must be those of quantizing that block's 16 tokens on their own (the reference), including
+    blocks that were part in the ring before the step, and the ring must hold the rest exactly."""
+    from qbench.engine.kv_cache import QuantKVPool
+    from qbench.layers.attention import AttnMetadata
+    bs, nkv, hd, nblk = 16, 2, 16, 5
+    pool = QuantKVPool(1, 3 * nblk + 1, bs, nkv, hd, torch.float32, scheme, 3)
+    layer = pool.layers[0]
+    g = torch.Generator().manual_seed(5)
+    tables = (torch.randperm(3 * nblk, generator=g) + 1).view(3, nblk)  # block 0 never used, as the engine's
+    k_all, v_all = torch.randn(3, nblk * bs, nkv, hd, generator=g), torch.randn(3, nblk * bs, nkv, hd, generator=g)
+    k_all[1, :, 0, 3] *= 40  # an outlier channel
+    ctx = torch.zeros(3, dtype=torch.int64)
+    for counts in ([5, 20, 33], [30, 7, 16], [1, 40, 0]):  # the second step finishes blocks the first began
+        n = torch.tensor(counts)
+        meta = AttnMetadata(positions=torch.zeros(3, 1, dtype=torch.int64), block_tables=tables,
+                            context_lens=ctx + n, kv_slots=torch.arange(3), new_tokens=n)
+        rows = [torch.arange(int(ctx[b]), int(ctx[b] + n[b])) for b in range(3)]
+        layer.write_meta(meta, torch.cat([k_all[b, r] for b, r in enumerate(rows)]),
+                         torch.cat([v_all[b, r] for b, r in enumerate(rows)]))
+        ctx = ctx + n
+    kcodec, vcodec = scheme.codecs()
+    checked = 0
+    for b in range(3):
+        nq = layer.quantized_blocks(int(ctx[b]))
+        for j in range(nq):
+            blk = int(tables[b, j])
+            for prefix, codec, x in (("k", kcodec, k_all), ("v", vcodec, v_all)):
+                ref = codec.quantize(x[b, j * bs: (j + 1) * bs])
+                assert torch.equal(layer.s[prefix + "c"][blk], ref.codes)
+                if ref.scale is not None:
+                    assert torch.equal(layer.s[prefix + "s"][blk], ref.scale)
+                if ref.minimum is not None:
+                    assert torch.equal(layer.s[prefix + "m"][blk], ref.minimum)
+            checked += 1
+        W = layer.windows
+        for p in range(nq * bs, int(ctx[b])):  # the residual: exact
+            assert torch.equal(layer.s["rk"][b, (p // bs) % W, p % bs], k_all[b, p]), (b, p, int(ctx[b]), nq)
+            assert torch.equal(layer.s["rv"][b, (p // bs) % W, p % bs], v_all[b, p])
+    assert checked >= 3, checked

@@ -123,6 +123,7 @@ class QuantBlockKV:
         rk, rv = self.s["rk"], self.s["rv"]  # (seqs, W, bs, nkv, hd)
         ctx, slots, counts = meta.context_lens.tolist(), meta.kv_slots.tolist(), meta.new_tokens.tolist()
         tables = meta.block_tables
+        leaving: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (pool block, k, v) of each block that leaves
         start = 0
         for b, n in enumerate(counts):
             before, after, r = ctx[b] - n, ctx[b], slots[b]
@@ -133,16 +134,22 @@ class QuantBlockKV:
                 lo = j * bs
                 old = min(max(before - lo, 0), bs)  # tokens of block j already in the ring
                 new = slice(lo + old - before, lo + bs - before)
+                # a copy of the ring's part now: the ring rows written below may reuse its slot
                 fk = torch.cat([rk[r, j % W, :old], kb[new]]) if old else kb[new]
                 fv = torch.cat([rv[r, j % W, :old], vb[new]]) if old else vb[new]
-                blk = int(tables[b, j])
-                self._store("k", self.kcodec, blk, fk)
-                self._store("v", self.vcodec, blk, fv)
-            for p0 in range(max(before, qa * bs), after, bs):  # the rest goes into the ring, block by block
+                leaving.append((int(tables[b, j]), fk, fv))
+            p0 = max(before, qa * bs)
+            while p0 < after:  # the rest goes into the ring, block by block (the first may start inside one)
                 j, off = p0 // bs, p0 % bs
                 p1 = min(after, (j + 1) * bs)
                 rk[r, j % W, off: off + p1 - p0] = kb[p0 - before: p1 - before]
                 rv[r, j % W, off: off + p1 - p0] = vb[p0 - before: p1 - before]
+                p0 = p1
+        if leaving:  # every row's leaving blocks in one call per codec: a prefill's are thousands (block-wise
+            # statistics, so the codes and statistics are those of one call per block)
+            blocks = torch.tensor([blk for blk, _, _ in leaving], dtype=torch.int64)
+            self._store("k", self.kcodec, blocks, torch.stack([fk for _, fk, _ in leaving]))  # (n, bs, nkv, hd)
+            self._store("v", self.vcodec, blocks, torch.stack([fv for _, _, fv in leaving]))
 
     def store_sequence(self, table: list[int], k: torch.Tensor, v: torch.Tensor, slot: int) -> None:
         """k, v (m, nkv, hd): a whole sequence's cache written afresh into ``table`` (eviction's compaction): the
