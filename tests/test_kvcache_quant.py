@@ -202,7 +202,7 @@ def test_a_pool_of_the_same_byte_budget_holds_correspondingly_more_tokens(tiny_m
     assert len(q4.generate([long], sp)[0].output_ids) == 8
 
 
-@pytest.mark.parametrize("scheme", SCHEMES[:6] + [KVScheme(4, 4, v_group=16, residual=32)], ids=lambda s: s.describe())
+@pytest.mark.parametrize("scheme", SCHEMES + [KVScheme(4, 4, v_group=16, residual=32)], ids=lambda s: s.describe())
 def test_prefill_writes_quantize_every_leaving_block_as_one_block_alone(scheme):
     """write_meta quantizes all rows' leaving blocks of a step in one call per codec; each block's codes and
     statistics must be those of quantizing that block's 16 tokens on their own (the reference), including
