@@ -138,13 +138,7 @@ class QuantBlockKV:
                 fk = torch.cat([rk[r, j % W, :old], kb[new]]) if old else kb[new]
                 fv = torch.cat([rv[r, j % W, :old], vb[new]]) if old else vb[new]
                 leaving.append((int(tables[b, j]), fk, fv))
-            p0 = max(before, qa * bs)
-            while p0 < after:  # the rest goes into the ring, block by block (the first may start inside one)
-                j, off = p0 // bs, p0 % bs
-                p1 = min(after, (j + 1) * bs)
-                rk[r, j % W, off: off + p1 - p0] = kb[p0 - before: p1 - before]
-                rv[r, j % W, off: off + p1 - p0] = vb[p0 - before: p1 - before]
-                p0 = p1
+            self._write_ring(r, kb, vb, max(before, qa * bs), after, before)  # the rest
         if leaving:  # every row's leaving blocks in one call per codec: a prefill's are thousands (block-wise
             # statistics, so the codes and statistics are those of one call per block)
             blocks = torch.tensor([blk for blk, _, _ in leaving], dtype=torch.int64)
@@ -154,17 +148,27 @@ class QuantBlockKV:
     def store_sequence(self, table: list[int], k: torch.Tensor, v: torch.Tensor, slot: int) -> None:
         """k, v (m, nkv, hd): a whole sequence's cache written afresh into ``table`` (eviction's compaction): the
         blocks outside the residual window quantized, the rest in ring slot ``slot``."""
-        bs, W = self.block_size, self.windows
+        bs = self.block_size
         m = k.shape[0]
         qa = self.quantized_blocks(m)
         if qa:
             blocks = torch.tensor(table[:qa], dtype=torch.int64)
             self._store("k", self.kcodec, blocks, k[: qa * bs].view(qa, bs, *k.shape[1:]))
             self._store("v", self.vcodec, blocks, v[: qa * bs].view(qa, bs, *v.shape[1:]))
-        for p0 in range(qa * bs, m, bs):
-            j, p1 = p0 // bs, min(m, p0 + bs)
-            self.s["rk"][slot, j % W, : p1 - p0] = k[p0:p1]
-            self.s["rv"][slot, j % W, : p1 - p0] = v[p0:p1]
+        self._write_ring(slot, k, v, qa * bs, m, 0)
+
+    def _write_ring(self, slot: int, k: torch.Tensor, v: torch.Tensor, first: int, end: int, base: int) -> None:
+        """Positions [first, end) of one sequence into its ring ``slot``, block by block; k, v (n, nkv, hd) hold
+        position p at row p - base. The first piece may start inside a block; each ends at the next block
+        boundary."""
+        bs, W = self.block_size, self.windows
+        p0 = first
+        while p0 < end:
+            j, off = p0 // bs, p0 % bs
+            p1 = min(end, (j + 1) * bs)
+            self.s["rk"][slot, j % W, off: off + p1 - p0] = k[p0 - base: p1 - base]
+            self.s["rv"][slot, j % W, off: off + p1 - p0] = v[p0 - base: p1 - base]
+            p0 = p1
 
     def decode_plan(self, meta) -> tuple | None:
         """Where a decode step's tokens go, the same for every layer (computed once, kept on ``meta``): ring
