@@ -144,6 +144,7 @@ FP32_512 = "native fp32 panel GEMM, AVX-512 (the AVX2 tiles' bits)"
 KV_ATTN = "native attention over quantized, FP8, fp16 and bf16 KV blocks"
 GPTQ = "native GPTQ column loop (float64, bit for bit the torch loop)"
 FUSED = "native one-call decode step (every layer of a step in qb_decode_layers)"
+KV_STORE = "native KV block store (KIVI codes and statistics, fp16/bf16 copies; the codecs' bits)"
 TORCH = "torch path (kernels off, aten, aten-bf16 or reference)"
 _PATH_CALLS: dict[str, int] = {}
 _PATH_TESTS: dict[str, set] = {}
@@ -170,6 +171,8 @@ def _path_of(name: str, dll, args) -> str:
         return FP32_512 if dll.qb_isa() == 512 else FP32
     if name == "qb_decode_layers":
         return FUSED
+    if name == "qb_kv_store":
+        return KV_STORE
     if name == "qb_gptq_block":
         return GPTQ
     return DEQUANT if name in _DEQUANTS else FP32
@@ -222,7 +225,7 @@ def _missing_paths() -> list[str]:
     lib = build.load()
     if lib is None:
         return []
-    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, GPTQ] + ([INT_VNNI, FP32_512] if lib._dll.qb_isa() == 512 else []) \
+    want = [INT_AVX2, W4A8, W8A8, FP8W, FP32, DEQUANT, KV_ATTN, FUSED, KV_STORE, GPTQ] + ([INT_VNNI, FP32_512] if lib._dll.qb_isa() == 512 else []) \
         + ([A8_VNNI] if lib._dll.qb_a8_wide() else []) + ([A8_AMX] if lib._dll.qb_a8_amx() else [])
     return [p for p in want if not _PATH_CALLS.get(p)]
 

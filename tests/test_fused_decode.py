@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from conftest import FAMILIES
+from qbench.engine import runner as runner_mod
 from qbench.engine.engine import Engine
 from qbench.engine.sampling import SamplingParams
 from qbench.kernels import build
 from qbench.layers import fused_decode
+from qbench.layers.kv import QuantBlockKV
 from qbench.layers.kvscheme import KVScheme
 from qbench.models.registry import load_model
 from qbench.quant.apply import quantize_model
@@ -102,26 +104,66 @@ def test_batched_equals_sequential_on_the_one_call_step(tiny_models, weights, kv
     assert batched == [_decode_logits(model, kv, monkeypatch, True, [p], steps=24)[0][0] for p in UNEVEN]
 
 
-def test_a_quantized_pool_stores_leaving_blocks_between_the_write_and_attention(tiny_models, monkeypatch):
-    """Steps where a block leaves a quantized pool's window run layer by layer in two native calls, with the
-    block stored in between; the pool ends bit-identical to the layer-by-layer path's."""
+class _CountingDecodeCalls:
+    """The kernels' library, counting qb_decode_layers calls."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+        if name != "qb_decode_layers":
+            return fn
+
+        def call(*args):
+            self.calls += 1
+            return fn(*args)
+        return call
+
+
+@pytest.mark.parametrize("kv", [KVScheme(4, 4, v_group=16), KVScheme(8, 8, v_group=16, residual=48),
+                                KVScheme(16, 4, v_group=16), KVScheme(8, 8, scheme="fp8")], ids=_kv_id)
+def test_a_quantized_pool_stores_leaving_blocks_between_the_write_and_attention(tiny_models, kv, monkeypatch):
+    """Steps where a block leaves a quantized pool's window store it between each layer's KV write and its
+    attention: inside the one call (qb_kv_store) for the KIVI and unquantized layouts, layer by layer in two
+    native calls with torch's store between for FP8. The pool ends bit-identical to the layer-by-layer path's
+    with the codecs' own quantize (torch), and so do the logits."""
     model = _model(tiny_models, "llama", "w4g64")
-    kv = KVScheme(4, 4, v_group=16)
-    pools = {}
+    pools, logits = {}, {}
     for fused in (False, True):
         monkeypatch.setenv("QBENCH_FUSED", "1" if fused else "0")
+        if not fused:  # the reference: every block through Codec.quantize
+            monkeypatch.setattr(QuantBlockKV, "native_store", property(lambda self: False))
         eng = Engine(model, block_size=16, kv_scheme=kv, kv_capacity_tokens=512)
-        calls = []
-        real = fused_decode.FusedDecoder.run
-        monkeypatch.setattr(fused_decode.FusedDecoder, "run", lambda self, x, meta: calls.append(
-            self.caches[0].decode_plan(meta)[1] is not None) or real(self, x, meta))
+        leaving, layer_calls, seen = [], [], []
+        real_run, real_decode = fused_decode.FusedDecoder.run, runner_mod.ModelRunner.decode
+        lib = _CountingDecodeCalls(build.load())
+        monkeypatch.setattr(fused_decode.kernels, "load", lambda: lib)
+
+        def run(self, x, meta):
+            leaving.append(self.caches[0].decode_plan(meta)[1] is not None)
+            before = lib.calls
+            out = real_run(self, x, meta)
+            layer_calls.append(lib.calls - before)
+            return out
+
+        monkeypatch.setattr(fused_decode.FusedDecoder, "run", run)
+        monkeypatch.setattr(runner_mod.ModelRunner, "decode", lambda self, seqs: seen.append(
+            real_decode(self, seqs)) or seen[-1])
         eng.generate([list(range(3, 30))], SamplingParams(max_new_tokens=40, ignore_eos=True))
-        monkeypatch.setattr(fused_decode.FusedDecoder, "run", real)
-        pools[fused] = {k: t.clone() for k, t in eng.pool.store.items()}
+        monkeypatch.setattr(fused_decode.FusedDecoder, "run", real_run)
+        monkeypatch.setattr(runner_mod.ModelRunner, "decode", real_decode)
+        monkeypatch.undo()
+        pools[fused], logits[fused] = {k: t.clone() for k, t in eng.pool.store.items()}, seen
         if fused:
-            # positions 27 to 65 written one by one: blocks 0, 1 and 2 left the window (of 16 + one block)
-            assert sum(calls) == 3
+            # positions 27 to 65 written one by one: blocks leave the window (of R + one block) at 32, 48, 64
+            assert sum(leaving) == (3 if kv.residual == 16 else 2)
+            staged = kv.scheme == "fp8"
+            n_layers = len(eng.pool.layers)
+            assert layer_calls == [2 * n_layers if (left and staged) else 1 for left in leaving]
     assert all(torch.equal(pools[False][k], pools[True][k]) for k in pools[False])
+    assert len(logits[False]) == len(logits[True]) == 39
+    assert all(torch.equal(a, b) for a, b in zip(logits[False], logits[True]))
 
 
 @pytest.mark.skipif(not build.available() or build.load().qb_isa() != 512, reason="needs a CPU with AVX-512 VNNI")

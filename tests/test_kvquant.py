@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from qbench.layers.kvquant import (dequantize_fp8_per_token, dequantize_k_per_channel, dequantize_per_tensor,
+from qbench.kernels import build as kernels
+from qbench.kernels import ops
+from qbench.layers.kvquant import (Codec, dequantize_fp8_per_token, dequantize_k_per_channel, dequantize_per_tensor,
                                    dequantize_v_per_token, pack_bits, quantize_fp8_per_token, quantize_k_per_channel,
                                    quantize_k_per_token, quantize_per_tensor, quantize_v_per_token, unpack_bits)
 from qbench.layers.kvscheme import KVScheme
@@ -116,3 +118,58 @@ def test_codecs_dequantize_a_whole_block_table_at_once(scheme):
         assert torch.equal(one, many)
         err = (one - torch.stack(blocks)).norm() / torch.stack(blocks).norm()
         assert err < {16: 1e-7, 8: 0.05, 4: 0.25, 2: 0.6}[codec.bits], (codec, err)
+
+
+def _blocks(kind: str, g: torch.Generator) -> torch.Tensor:
+    """Five blocks (16, 3, 64) of keys or values; the edge cases of min/max quantization among them."""
+    x = torch.randn(5, 16, 3, 64, generator=g)
+    if kind == "outliers":  # a channel and a token far out
+        x[:, :, :, 3] *= 100
+        x[:, 2, 1, :] *= 1e3
+    elif kind == "constant":  # zero ranges: the scale clamps to 1e-8, which fp16 rounds to 0 (codes 0 / 0 -> 0)
+        x[:, :, 0, 5] = 0.7
+        x[:, :, 1, :32] = -2.5
+    elif kind == "narrow":  # ranges below fp16's resolution at the minimum: x - half(min) < 0 for some x
+        x = 1.0 + 1e-7 * x
+    elif kind == "wide":  # statistics past fp16's largest finite value: infinite scale and minimum
+        x = 3e4 * x
+    return x
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels not built here")
+@pytest.mark.parametrize("kind", ["normal", "outliers", "constant", "narrow", "wide"])
+@pytest.mark.parametrize("codec", [Codec("channel", b) for b in (8, 4, 2)]
+                         + [Codec("token", b, gs) for b in (8, 4, 2) for gs in (16, 32, 64)], ids=str)
+def test_the_native_block_store_gives_the_codecs_bits(codec, kind):
+    """qb_kv_store (the decode step's and the pool's block writes) against Codec.quantize: every code byte and
+    every fp16 statistic equal, into blocks scattered through the pool, read directly or through row indices."""
+    x = _blocks(kind, torch.Generator().manual_seed(len(kind)))
+    mode = ops.KV_CHANNEL if codec.mode == "channel" else ops.KV_TOKEN
+    want = codec.quantize(x)
+    for rows in (None, torch.tensor([4, 0, 3, 1, 2])):
+        src = x if rows is None else x[torch.argsort(rows)]  # src[rows[i]] == x[i]
+        codes = torch.full((9, *codec.code_shape(16, 3, 64)), 7, dtype=torch.uint8)
+        scale = torch.zeros(9, *codec.stat_shape(16, 3, 64), dtype=torch.float16)
+        minimum = torch.zeros_like(scale)
+        blocks = torch.tensor([8, 2, 5, 0, 6])
+        ops.kv_store(src, rows, blocks, mode, codec.bits, codec.group, codes, scale, minimum)
+        assert torch.equal(codes[blocks], want.codes)
+        assert torch.equal(scale[blocks].view(torch.int16), want.scale.view(torch.int16))
+        assert torch.equal(minimum[blocks].view(torch.int16), want.minimum.view(torch.int16))
+        untouched = torch.tensor([1, 3, 4, 7])
+        assert (codes[untouched] == 7).all() and (scale[untouched] == 0).all()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="native kernels not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_native_block_store_copies_unquantized_rows_as_torch_rounds_them(dtype):
+    x = _blocks("wide", torch.Generator().manual_seed(1)) * 10  # past fp16's range too: inf, as torch gives
+    x[0, 0, 0, :4] = torch.tensor([float("nan"), 1e-30, -0.0, 2.0 ** -25])
+    pool = torch.zeros(7, 16, 3, 64, dtype=dtype)
+    blocks = torch.tensor([3, 6, 0, 2, 5])
+    ops.kv_store(x, None, blocks, ops.fp_mode(dtype), 16, 0, pool, None, None)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    got, want = pool[blocks], x.to(dtype)
+    nan = want.isnan()  # a NaN stays a NaN (torch's own bf16 NaN bits differ between its scalar and vector code)
+    assert torch.equal(got.isnan(), nan) and nan.sum() == 1
+    assert torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])

@@ -19,7 +19,7 @@ from pathlib import Path
 from qbench.errors import QBenchError
 from qbench.paths import qbench_home
 
-SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "gemm_a8_amx.c", "dequant.c", "attn_kv.c", "attn_prefill.c", "layer.c", "gptq.c")
+SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "gemm_a8_amx.c", "dequant.c", "attn_kv.c", "attn_prefill.c", "layer.c", "kv_store.c", "gptq.c")
 HEADERS = ("panel.h", "a8_quad.h", "vecmath.h", "attn_kv256.h", "attn_kv512.h", "attn_kv_head.h")  # part of the cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
@@ -136,6 +136,8 @@ def load() -> ctypes.CDLL | None:
         "qb_gptq_block": [P, P, L, L, L, L, P, P, P, L, I, P, P, I],
         # layers (qb_layer *), n, step (qb_step *), x, scratch, stages, threads
         "qb_decode_layers": [P, L, P, P, P, I, I],
+        # x, src; n, bs, nkv, hd; mode, bits; vg; blocks, codes, scale, min; threads
+        "qb_kv_store": [P, P, L, L, L, L, I, I, L, P, P, P, P, I],
     }
     for name, args in signatures.items():
         fn = getattr(dll, name)

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vecmath.h"
+
 void qb_gemm_f32_packed(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N,
                         int nthreads);
 void qb_gemm_i8(const float *x, const int8_t *wp, const float *scale, float *y, long M, long K, long N,
@@ -23,6 +25,8 @@ void qb_gemm_i8a8(const float *x, const int8_t *wp, const float *scale, float *y
                   int nthreads);
 void qb_gemm_f8(const float *x, const uint8_t *wp, const float *scale, float *y, long M, long K, long N,
                 int nthreads);
+void qb_kv_store(const float *x, const int64_t *src, long n, long bs, long nkv, long hd, int mode, int bits, long vg,
+                 const int64_t *blocks, void *codes, uint16_t *sc, uint16_t *mn, int nthreads);
 void qb_rmsnorm(const float *x, const float *w, float *y, long rows, long n, float eps, int nthreads);
 void qb_silu_mul(const float *gu, float *y, long rows, long n, int nthreads);
 void qb_fwht(float *x, long rows, long K, long b, int nthreads);
@@ -64,6 +68,8 @@ typedef struct {
     const int64_t *positions, *slots, *tables, *ctx, *kv_slots;  /* slots: pool slots, or ring rows (quantized) */
     const float *cos, *sin;
     const int64_t *kvpos;  /* each row's index in its cache: its position less the tokens evicted before it */
+    int64_t nleave;  /* blocks that leave a quantized pool's window on this step: ring slot -> pool block */
+    const int64_t *leave_ring, *leave_blk;
 } qb_step;
 
 /* Per-row scratch of one layer, in floats. */
@@ -99,17 +105,6 @@ static void linear(const qb_lin *l, float *x, float *y, long M, int nt) {
             for (long n = 0; n < l->N; n++) y[m * l->N + n] += l->bias[n];
 }
 
-static inline uint16_t to_f16(float f) {  /* round to nearest even, as torch's .to(float16) */
-    return _cvtss_sh(f, 0);
-}
-
-static inline uint16_t to_bf16(float f) {  /* torch's round-to-nearest-even, NaN kept quiet */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* Row b's new k and v (nkv * hd each) into its slot: a pool slot, or a quantized pool's ring row. */
 static void write_kv(const qb_layer *L, const qb_step *S, const float *qkv, long b) {
     long row = (L->nh + 2 * L->nkv) * L->hd, n = L->nkv * L->hd;
@@ -127,6 +122,16 @@ static void write_kv(const qb_layer *L, const qb_step *S, const float *qkv, long
     }
 }
 
+/* The blocks that leave a quantized pool's window, whole in their ring slots (a one-token step never writes
+ * the slot it frees), into their pool blocks: QuantBlockKV.store_leaving's stores, done here so that the step
+ * stays in one call. fused_decode.py passes them only for the layouts qb_kv_store takes (not FP8). */
+static void store_leaving(const qb_layer *L, const qb_step *S, int nt) {
+    qb_kv_store((const float *)L->k, S->leave_ring, S->nleave, S->bs, L->nkv, L->hd, (int)L->kmode, (int)L->kbits,
+                0, S->leave_blk, (void *)L->kc, (uint16_t *)L->ks, (uint16_t *)L->km, nt);
+    qb_kv_store((const float *)L->v, S->leave_ring, S->nleave, S->bs, L->nkv, L->hd, (int)L->vmode, (int)L->vbits,
+                L->vgroup, S->leave_blk, (void *)L->vc, (uint16_t *)L->vs, (uint16_t *)L->vm, nt);
+}
+
 static void attention(const qb_layer *L, const qb_step *S, const float *q, float *out, int nt) {
     if (L->pool == POOL_F32) {
         qb_paged_attention(q, (const float *)L->k, (const float *)L->v, S->tables, S->kvpos, NULL, out, S->B, 1,
@@ -142,9 +147,10 @@ static void attention(const qb_layer *L, const qb_step *S, const float *q, float
                     (const uint16_t *)L->vm, nt);
 }
 
-/* x (B, H) in place through layers [0, n), or only the stages asked for (one layer at a time, when a
- * quantized pool must store the blocks that leave its window between the KV write and attention).
- * scratch: B * qb_decode_scratch floats, kept between the two stages of a layer. */
+/* x (B, H) in place through layers [0, n), or only the stages asked for (one layer at a time, when an FP8
+ * pool's leaving blocks are stored by torch between the KV write and attention; S->nleave blocks of the
+ * other quantized layouts are stored here, in the write stage). scratch: B * qb_decode_scratch floats, kept
+ * between the two stages of a layer. */
 void qb_decode_layers(const qb_layer *layers, long n, const qb_step *S, float *x, float *scratch, int stages,
                       int nt) {
     long B = S->B;
@@ -158,6 +164,7 @@ void qb_decode_layers(const qb_layer *layers, long n, const qb_step *S, float *x
             linear(&L->qkv, h, qkv, B, nt);  /* (B, nh + 2 nkv, hd) */
             qb_rope(qkv, S->positions, S->cos, S->sin, B, L->nh + 2 * L->nkv, L->nh + L->nkv, L->hd, nt);
             for (long b = 0; b < B; b++) write_kv(L, S, qkv, b);
+            if (S->nleave && L->pool == POOL_QUANT) store_leaving(L, S, nt);
         }
         if (!(stages & STAGE_REST)) continue;
         for (long b = 0; b < B; b++) memcpy(q + b * nq, qkv + b * nrow, nq * sizeof(float));  /* (B, nh, hd) */

@@ -216,3 +216,28 @@ def attention_kv(q: torch.Tensor, block_tables: torch.Tensor, positions: torch.T
                            v_src[0], v_src[1], v_src[2], ptr(v_src[3]), ptr(v_src[4]), ptr(v_src[5]),
                            torch.get_num_threads())
     return out
+
+
+def kv_store(x: torch.Tensor, rows: torch.Tensor | None, blocks: torch.Tensor, mode: int, bits: int, group: int,
+             codes: torch.Tensor, scale: torch.Tensor | None, minimum: torch.Tensor | None) -> None:
+    """Blocks x (m, bs, nkv, hd) fp32 (block i is x[rows[i]], or x[i] without rows) into pool blocks ``blocks``
+    of a store read in ``mode`` (``kv_source``'s first fields and tensors): KIVI codes with fp16 scale and min
+    (KV_CHANNEL for keys, KV_TOKEN for values), or a copy into an fp32/fp16/bf16 pool. The codecs' quantize
+    (layers/kvquant.py), bit for bit."""
+    m, bs, nkv, hd = x.shape
+    n = blocks.numel()
+    if mode not in (KV_CHANNEL, KV_TOKEN, KV_F32, KV_F16, KV_BF16) or hd > 256 or x.dtype != torch.float32:
+        raise ValueError(f"kv_store: mode {mode}, head_dim {hd}, {x.dtype} not taken")
+    if n != (m if rows is None else rows.numel()):
+        raise ValueError(f"kv_store: {n} blocks for {m if rows is None else rows.numel()} sources")
+    if not all(t is None or t.is_contiguous() for t in (codes, scale, minimum)):
+        raise ValueError("kv_store: the pool tensors must be contiguous")
+    x = x.contiguous()
+    blocks = blocks.to(torch.int64).contiguous()
+    rows = None if rows is None else rows.to(torch.int64).contiguous()
+
+    def ptr(t):
+        return 0 if t is None else t.data_ptr()
+
+    load().qb_kv_store(x.data_ptr(), ptr(rows), n, bs, nkv, hd, mode, bits, group, blocks.data_ptr(), codes.data_ptr(),
+                       ptr(scale), ptr(minimum), torch.get_num_threads())

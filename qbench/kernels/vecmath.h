@@ -1,7 +1,9 @@
-/* Vector math shared by the attention kernels. */
+/* Vector math shared by the attention kernels, and the fp16/bf16 roundings of the KV writes. */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
 /* exp of a vector of W-bit floats (W = 256 or 512), Cephes-style range reduction and polynomial, |rel err| <
  * 2e-7. One body for both widths, so a lane's exp is the same bits at either width (attn_kv512.h's softmax). */
@@ -117,4 +119,15 @@ static inline void weighted_rows(const float *p, const float *const *rows, long 
         for (long j = j0; j < j1; j++) c += p[j] * rows[j][d0];
         acc[d0] = c;
     }
+}
+
+static inline uint16_t to_f16(float f) {  /* round to nearest even, as torch's .to(float16) */
+    return _cvtss_sh(f, 0);
+}
+
+static inline uint16_t to_bf16(float f) {  /* torch's round-to-nearest-even, NaN kept quiet */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }

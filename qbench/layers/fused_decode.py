@@ -44,8 +44,9 @@ class Layer(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [(n, _L) for n in ("B", "bs", "nblk")] + [(n, _P) for n in (
+    _fields_ = ([(n, _L) for n in ("B", "bs", "nblk")] + [(n, _P) for n in (
         "positions", "slots", "tables", "ctx", "kv_slots", "cos", "sin", "kvpos")]
+        + [("nleave", _L), ("leave_ring", _P), ("leave_blk", _P)])
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -96,6 +97,8 @@ class FusedDecoder:
         self.layers = (Layer * self.n)(*layers)
         self.caches = caches
         self.quant = isinstance(caches[0], QuantBlockKV)
+        # blocks that leave the window are stored inside the call (qb_kv_store) where every layer's layout allows
+        self.store_inside = self.quant and all(c.native_store for c in caches)
         self.cos, self.sin = rope.cos, rope.sin
         self._keep = tensors  # what the descriptions point into
         self.scratch_floats = kernels.load().qb_decode_scratch(self.layers, self.n)
@@ -138,16 +141,21 @@ class FusedDecoder:
         tables, pos = meta.block_tables.contiguous(), meta.positions.contiguous()  # pos: RoPE's
         kvpos = meta.kv_positions.contiguous()  # attention's: the cache index, after eviction
         ctx, kv_slots = meta.context_lens.contiguous(), meta.kv_slots.contiguous()
+        leaving = plan[1] if self.quant else None
+        inside = leaving is not None and self.store_inside
+        if inside:
+            ring, blocks = (t.contiguous() for t in leaving)
         step = Step(B, meta.block_size, tables.shape[1], pos.data_ptr(), slots.contiguous().data_ptr(),
                     tables.data_ptr(), ctx.data_ptr(), kv_slots.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-                    kvpos.data_ptr())
+                    kvpos.data_ptr(), ring.numel() if inside else 0, ring.data_ptr() if inside else 0,
+                    blocks.data_ptr() if inside else 0)
         args = (ctypes.byref(step), x.data_ptr(), scratch.data_ptr())
-        if plan is None or plan[1] is None:  # no block leaves a quantized pool's window: all layers at once
+        if leaving is None or inside:  # all layers at once, leaving blocks stored between write and attention
             lib.qb_decode_layers(self.layers, self.n, *args, STAGE_WRITE | STAGE_REST, nt)
             return x
-        for i, cache in enumerate(self.caches):  # blocks leave the window: stored between write and attention
+        for i, cache in enumerate(self.caches):  # FP8 blocks leave the window: stored by torch, layer by layer
             layer = ctypes.byref(self.layers, i * ctypes.sizeof(Layer))
             lib.qb_decode_layers(layer, 1, *args, STAGE_WRITE, nt)
-            cache.store_leaving(plan[1])
+            cache.store_leaving(leaving)
             lib.qb_decode_layers(layer, 1, *args, STAGE_REST, nt)
         return x

@@ -67,6 +67,13 @@ class QuantBlockKV:
         self._sources = src  # the store's tensors are fixed for the pool's life
         self._fits = (src is not None and store["rk"].dtype == torch.float32
                       and ops.kv_kernel_fits(store["rk"].shape[4], src))
+        self._store_modes = None if src is None or any(m == ops.KV_FP8 for m, *_ in src) else src
+
+    @property
+    def native_store(self) -> bool:
+        """Blocks are quantized by qb_kv_store (KIVI and unquantized layouts; FP8 stays in torch), the same bits
+        as the codecs' ``quantize``."""
+        return self._store_modes is not None and self._fits and kernels.available()
 
     @property
     def decode_kernel(self) -> bool:
@@ -105,8 +112,16 @@ class QuantBlockKV:
         """Blocks of a sequence of n tokens that are stored quantized: all but the residual window."""
         return max(0, n // self.block_size - (self.windows - 1))
 
-    def _store(self, prefix: str, codec, block, x: torch.Tensor) -> None:
-        """Quantize x (G, nkv, hd) into pool block ``block``, or x (n, G, nkv, hd) into a tensor of n blocks."""
+    def _store(self, prefix: str, codec, block, x: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Quantize x (G, nkv, hd) into pool block ``block``, or x (n, G, nkv, hd) into a tensor of n blocks; with
+        ``rows``, x is (m, G, nkv, hd) and block i is x[rows[i]]."""
+        if self.native_store and x.dtype == torch.float32:
+            mode, bits, group, codes, scale, minimum = self._store_modes[prefix == "v"]
+            blocks = torch.as_tensor(block, dtype=torch.int64).reshape(-1)
+            ops.kv_store(x.reshape(-1, *x.shape[-3:]), rows, blocks, mode, bits, group, codes, scale, minimum)
+            return
+        if rows is not None:
+            x = x[rows]
         q = codec.quantize(x)
         self.s[prefix + "c"][block] = q.codes
         if q.scale is not None:
@@ -178,20 +193,28 @@ class QuantBlockKV:
         if plan is not None and plan[0] == (self.block_size, self.windows):
             return plan[1]
         bs, W = self.block_size, self.windows
-        counts = meta.new_tokens
-        if counts is None or not bool((counts <= 1).all()):
+        counts = None if meta.new_tokens is None else meta.new_tokens.tolist()
+        if counts is None or any(n > 1 for n in counts):
             meta.kv_plan = ((bs, W), None)
             return None
-        real = counts.nonzero().flatten()  # rows that write a token; k/v hold theirs in row order
-        pos = meta.context_lens[real] - 1  # (N,) the new token's position
-        slot = meta.kv_slots[real]
-        ring_rows = (slot * W + (pos // bs) % W) * bs + pos % bs
-        after = meta.context_lens[real]
-        q_after = (after // bs - (W - 1)).clamp(min=0)
-        q_before = ((after - 1) // bs - (W - 1)).clamp(min=0)
-        leave = (q_after > q_before).nonzero().flatten()  # at most one block per row on a one-token step
-        j = q_after[leave] - 1
-        leaving = (slot[leave] * W + j % W, meta.block_tables[real[leave], j]) if leave.numel() else None
+        # a few integers a row: plain Python, cheaper than a dozen small torch operations at these sizes
+        ctx, slots = meta.context_lens.tolist(), meta.kv_slots.tolist()
+        rows, ring_slot, leave_row, leave_j = [], [], [], []
+        for b, n in enumerate(counts):
+            if not n:  # rows that write a token; k/v hold theirs in row order
+                continue
+            after, slot = ctx[b], slots[b]
+            pos = after - 1  # the new token's position
+            rows.append((slot * W + (pos // bs) % W) * bs + pos % bs)
+            q_after, q_before = max(after // bs - (W - 1), 0), max(pos // bs - (W - 1), 0)
+            if q_after > q_before:  # at most one block per row on a one-token step
+                j = q_after - 1
+                ring_slot.append(slot * W + j % W)
+                leave_row.append(b)
+                leave_j.append(j)
+        ring_rows = torch.tensor(rows, dtype=torch.int64)
+        leaving = (torch.tensor(ring_slot, dtype=torch.int64),
+                   meta.block_tables[torch.tensor(leave_row), torch.tensor(leave_j)]) if leave_row else None
         meta.kv_plan = ((bs, W), (ring_rows, leaving))
         return meta.kv_plan[1]
 
@@ -213,7 +236,8 @@ class QuantBlockKV:
         bs, nkv, hd = self.s["rk"].shape[2:]
         ring_slot, blocks = leaving
         for prefix, codec, name in (("k", self.kcodec, "rk"), ("v", self.vcodec, "rv")):
-            self._store(prefix, codec, blocks, self.s[name].view(-1, bs, nkv, hd)[ring_slot])  # (n, bs, nkv, hd)
+            ring = self.s[name].view(-1, bs, nkv, hd)  # (seqs * W, bs, nkv, hd): every ring slot
+            self._store(prefix, codec, blocks, ring, rows=ring_slot)
 
     def read_meta(self, meta, keys_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> k, v (B, nkv, nblk * bs, hd) in full precision: dequantized blocks plus the residual ring (v None
