@@ -226,8 +226,11 @@ def kv_store(x: torch.Tensor, rows: torch.Tensor | None, blocks: torch.Tensor, m
     (layers/kvquant.py), bit for bit."""
     m, bs, nkv, hd = x.shape
     n = blocks.numel()
-    if mode not in (KV_CHANNEL, KV_TOKEN, KV_F32, KV_F16, KV_BF16) or hd > 256 or x.dtype != torch.float32:
-        raise ValueError(f"kv_store: mode {mode}, head_dim {hd}, {x.dtype} not taken")
+    quantized = mode in (KV_CHANNEL, KV_TOKEN)
+    if (mode not in (KV_CHANNEL, KV_TOKEN, KV_F32, KV_F16, KV_BF16) or hd > 256 or x.dtype != torch.float32
+            or quantized and (bits not in (2, 4, 8) or hd % (8 // bits))
+            or mode == KV_TOKEN and (group <= 0 or hd % group)):
+        raise ValueError(f"kv_store: mode {mode}, {bits} bits, V group {group}, head_dim {hd}, {x.dtype} not taken")
     if n != (m if rows is None else rows.numel()):
         raise ValueError(f"kv_store: {n} blocks for {m if rows is None else rows.numel()} sources")
     if not all(t is None or t.is_contiguous() for t in (codes, scale, minimum)):
