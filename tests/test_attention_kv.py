@@ -200,42 +200,88 @@ def test_a_padded_query_row_gets_zeros_and_leaves_the_others_alone():
     assert torch.equal(part[0], full[0]) and not part[1].any()
 
 
+LONG = [5, 37, 600, 1100]  # 1, 1, 2 and 3 segments of value sums (32 blocks of 16 tokens each)
+
+
+def long_rows(scheme, hd, nkv, gen):
+    """LONG's rows written into one pool (quantized, or an fp16 one), one decode token each after the prompt;
+    -> (attend(q, rows, window), metadata of all rows). ``attend`` reads only the given rows (a batch of them)."""
+    nblk = max(LONG) // BS + 2
+    b = Batch(LONG, nblk=nblk)
+    if scheme == "fp16":
+        layer = KVPool(1, len(LONG) * nblk + 1, BS, nkv, hd, torch.float16).layers[0]
+        b.write_tokens(layer, nkv, hd, gen)
+        srcs, rings = layer.sources(), (None, None)
+    else:
+        layer = QuantKVPool(1, len(LONG) * nblk + 1, BS, nkv, hd, torch.float32, scheme, max_seqs=len(LONG)).layers[0]
+        layer.write_meta(b.meta(b.lens), *kv_like(sum(b.lens), nkv, hd, gen))
+        b.lens = [n + 1 for n in b.lens]
+        layer.write_meta(b.meta([1] * len(LONG)), *kv_like(len(LONG), nkv, hd, gen))
+        srcs, rings = layer._sources, (layer.s["rk"], layer.s["rv"])
+    meta = b.meta([1] * len(LONG))
+
+    def attend(q, rows, window=None):
+        r = torch.tensor(rows)
+        return ops.attention_kv(q[r], meta.block_tables[r], meta.positions[r], None, meta.context_lens[r], *srcs,
+                                *rings, None if rings[0] is None else meta.kv_slots[r], window=window, scale=0.125)
+    return attend, meta, layer
+
+
 @needs_kernel
 @pytest.mark.parametrize("hd, nh, nkv", [(64, 9, 3), (64, 14, 2), (32, 8, 4)])
 @pytest.mark.parametrize("scheme", [KVScheme(8, 8), KVScheme(4, 2), KVScheme(8, 8, scheme="fp8"), KVScheme(16, 4),
-                                    "fp16"], ids=str)
-def test_a_task_that_reads_every_kv_head_gives_the_bits_of_one_head_a_task(scheme, hd, nh, nkv):
-    """With rows enough for the threads, a task takes all KV heads of its row, block by block (the pool row is
-    read once); with few rows, one head a task. Each head's sums keep their order, so the two agree bit for bit."""
+                                    KVScheme(4, 4, residual=48), "fp16"], ids=str)
+def test_a_row_gives_the_same_bits_alone_in_a_batch_and_shared_between_threads(scheme, hd, nh, nkv):
+    """With rows enough for the threads, a task is a row, all its KV heads (the pool row is read once); with
+    fewer, the threads share each row: its scores a few blocks at a time, its value sums a segment at a time
+    (for all heads, or one head a task when segments are few), added up in order after. Either way a segment's
+    sums start from zero and the segments are added in order, so a row alone, a row in a batch and any number
+    of threads give the same bits: batched decode equals sequential. Rows of 1 to 3 segments, with and without
+    a sliding window, on every instruction-set path."""
     gen = torch.Generator().manual_seed(nh)
-    b = Batch([5, 37, 70, 16], nblk=8)
-    if scheme == "fp16":
-        layer = KVPool(1, 64, BS, nkv, hd, torch.float16).layers[0]
-        b.write_tokens(layer, nkv, hd, gen)
-        meta = b.meta([1] * 4)
-
-        def attend(q):
-            return ops.attention_kv(q, meta.block_tables, meta.positions, None, meta.context_lens, *layer.sources(),
-                                    window=None, scale=0.125)
-    else:
-        layer = QuantKVPool(1, 64, BS, nkv, hd, torch.float32, scheme, max_seqs=4).layers[0]
-        layer.write_meta(b.meta(b.lens), *kv_like(sum(b.lens), nkv, hd, gen))
-        b.lens = [n + 1 for n in b.lens]
-        meta = b.meta([1] * 4)
-        layer.write_meta(meta, *kv_like(4, nkv, hd, gen))
-
-        def attend(q):
-            return layer.attend_decode(q, meta, None, 0.125)
-    q = torch.randn(4, 1, nh, hd, generator=gen)
+    attend, meta, _ = long_rows(scheme, hd, nkv, gen)
+    q = torch.randn(len(LONG), 1, nh, hd, generator=gen)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)  # 4 rows >= 2 x 1 thread: every head of a row in one task
-        together = attend(q)
-        torch.set_num_threads(4)  # 4 rows < 2 x 4 threads: one head a task
-        apart = attend(q)
+        for window in (None, 700):
+            def runs():
+                torch.set_num_threads(1)  # 4 rows >= 2 x 1 thread: a row a task
+                out = {"batch, a row a task": attend(q, range(4), window)}
+                for n in (1, 2, 4):  # one row < 2 x n threads: shared, all heads or one head a values task
+                    torch.set_num_threads(n)
+                    out[f"rows alone, {n} threads"] = torch.cat([attend(q, [r], window) for r in range(4)])
+                torch.set_num_threads(4)  # 4 rows < 2 x 4: shared
+                out["batch, 4 threads"] = attend(q, range(4), window)
+                out["two long rows, 2 threads"] = torch.cat([attend(q, [0, 1], window), attend(q, [2, 3], window)])
+                return out
+            for outs in attend_each_isa(runs):
+                want = outs.pop("batch, a row a task")
+                for name, got in outs.items():
+                    assert torch.equal(got, want), (name, window, (got - want).abs().max())
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(together, apart)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", [KVScheme(8, 8), KVScheme(4, 4), KVScheme(2, 2, v_group=64),
+                                    KVScheme(8, 8, scheme="fp8"), KVScheme(16, 4), KVScheme(4, 16), "fp16"], ids=str)
+def test_rows_of_several_segments_match_dequantize_then_attend(scheme):
+    """Value sums of several segments, added up, and scores shared between threads: rows up to 1,101 tokens
+    alone (shared between threads) and together (a row a task) equal the dequantize-everything reference."""
+    hd, nh, nkv = 64, 9, 3
+    gen = torch.Generator().manual_seed(7)
+    attend, meta, layer = long_rows(scheme, hd, nkv, gen)
+    q = torch.randn(len(LONG), 1, nh, hd, generator=gen)
+    if scheme == "fp16":
+        L = meta.block_tables.shape[1] * BS
+        keys, values = (t[meta.block_tables].reshape(len(LONG), L, nkv, hd).transpose(1, 2) for t in (layer.k, layer.v))
+    else:
+        keys, values = layer.read_meta(meta)
+    for window in (None, 700):
+        want = reference(q, keys, values, meta, window, 0.125)
+        torch.testing.assert_close(attend(q, range(4), window), want, rtol=1e-4, atol=1e-5)
+        alone = torch.cat([attend(q, [r], window) for r in range(4)])
+        torch.testing.assert_close(alone, want, rtol=1e-4, atol=1e-5)
 
 
 UNEVEN = [[5, 6, 7], list(range(10, 19)), list(range(20, 37)), list(range(40, 70))]

@@ -12,11 +12,11 @@
  *   V per token (scale and min per group of vg channels): p v = (p s_g) u + p m_g; the min part is summed
  *   per group and block (eight rows a lane) and added once at the end.
  *
- * Work is split per query row and range of KV heads into attn_kv_head.h's tasks, compiled twice: with the
- * AVX2 helpers below, and with attn_kv512.h's AVX-512 helpers under a target pragma (taken when
- * qb_isa() == 512). A score leaves its kernel as 8 partial sums and close_scores adds eight rows' at once
- * (hsum256x8, hsum256's tree), so both paths, and the fp16/bf16 baselines, sum every element in the same
- * order: the same bits.
+ * Work is split per query row (all its KV heads), or with few rows per part of a row (VSEG below), into
+ * attn_kv_head.h's tasks, compiled twice: with the AVX2 helpers below, and with attn_kv512.h's AVX-512
+ * helpers under a target pragma (taken when qb_isa() == 512). A score leaves its kernel as 8 partial sums
+ * and close_scores adds eight rows' at once (hsum256x8, hsum256's tree), so both paths, and the fp16/bf16
+ * baselines, sum every element in the same order: the same bits.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -28,7 +28,6 @@
 
 enum { KV_F32 = 0, KV_CHANNEL = 1, KV_TOKEN = 2, KV_FP8 = 3, KV_F16 = 4, KV_BF16 = 5 };
 #define MAXHD 256
-#define MAXKV 64  /* KV heads a task may take together */
 
 static float fp8_lut[256];
 
@@ -133,11 +132,15 @@ typedef struct {
     int kinv[MAXHD], vperm[MAXHD], vgroup_of[MAXHD];  /* K perm position -> channel; V channel -> perm position; V chunk -> group */
 } kv_call;
 
-typedef struct {  /* one thread's buffers */
-    float *scores;         /* (g, maxlen) */
+/* Value sums of one head: in natural order (fp32 ring, FP8, fp16/bf16 rows) and in V's perm order (KIVI
+ * rows), each (g, MAXHD), and V's group minimums' terms (g, nvg + 1); one 64-byte aligned run of acc_floats */
+typedef struct { float *accn, *accp, *bias; } kv_acc;
+
+typedef struct {  /* one thread's buffers for one KV head */
+    float *scores;         /* (g, maxlen), or NULL where a call shares each row's scores between threads */
     float *qp, *qs;        /* the query in K's perm order; times a KIVI block's scales (g, MAXHD) */
-    float *accn, *accp;    /* value sums in natural and in V's perm order (g, MAXHD) */
-    float *bias, *c0;      /* V's group minimums (g, nvg + 1); q . K's minimums (g) */
+    kv_acc seg, tot;       /* a segment's value sums (VSEG below); their total over the segments so far */
+    float *c0;             /* q . K's minimums (g) */
     float *sblk, *sperm;   /* a KIVI block's scales and minimums (2 * MAXHD); its scales in perm order */
     float *raw;            /* a block's partial scores (g, bs, 8) */
     float *rowf;           /* per block row: a score multiplier, or V's scale and minimum (2, bs) */
@@ -212,33 +215,7 @@ static void kivi_block_query(const kv_call *C, kv_scratch *S, const float *qh, c
     }
 }
 
-/* A task's query row and the span its heads share */
-typedef struct { long bt, b, start, end, nq, slot; const int64_t *tab; } kv_task;
-
-/* n floats, 64-byte aligned (aligned_alloc wants a size that is a multiple of the alignment) */
-static float *falloc64(long n) { return (float *)aligned_alloc(64, (sizeof(float) * n + 63) & ~63UL); }
-
-/* one head's buffers in a task */
-static kv_scratch scratch_new(const kv_call *C) {
-    const long g = C->g, bs = C->bs;
-    return (kv_scratch){.scores = (float *)malloc(sizeof(float) * (g * C->maxlen + 16)),
-                        .qp = falloc64(g * MAXHD),
-                        .qs = falloc64(g * MAXHD),
-                        .accn = falloc64(g * MAXHD),
-                        .accp = falloc64(g * MAXHD),
-                        .bias = (float *)malloc(sizeof(float) * g * (C->nvg + 1)),
-                        .c0 = (float *)malloc(sizeof(float) * g),
-                        .sblk = falloc64(2 * MAXHD),
-                        .sperm = falloc64(MAXHD),
-                        .raw = falloc64(g * bs * 8),
-                        .rowf = (float *)malloc(sizeof(float) * 2 * bs),
-                        .wbuf = (float *)malloc(sizeof(float) * g * bs)};
-}
-
-static void scratch_free(kv_scratch *S) {
-    free(S->scores); free(S->qp); free(S->qs); free(S->accn); free(S->accp); free(S->bias);
-    free(S->c0); free(S->sblk); free(S->sperm); free(S->raw); free(S->rowf); free(S->wbuf);
-}
+#include "attn_kv_rows.h"
 
 #define WIDE 0
 #define SFX(f) f##_avx2
@@ -291,24 +268,102 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
     }
     for (long c = 0; c < hd / vC; c++) C->vgroup_of[c] = vmode == KV_TOKEN ? (int)(c * vC / vg) : 0;
     const int wide = qb_isa() == 512;
-    /* A task takes every KV head of its query row when there are rows enough to keep the threads busy. A
-     * pool row holds all heads side by side; one head's slice alone (1/nkv of each row, nkv * row bytes
-     * apart) streamed from DRAM at about the speed of whole rows, so each head paid for the others' bytes.
-     * Reading each pair of key rows for all heads, and each block's values head after head, halved a
-     * 4k-token call for the fp16 and K8V8 caches on the Zen 4 EPYC (README, "Quantized KV cache"). With
-     * few rows, one head a task keeps every thread at work. */
-    const long hpt = B * T >= 2L * nthreads && nkv <= MAXKV ? nkv : 1, nt = nkv / hpt;
+    /* Every task takes all KV heads of its rows. A pool row holds all heads side by side; one head's slice
+     * alone (1/nkv of each row, nkv * row bytes apart) streamed from DRAM at about the speed of whole rows, so
+     * each head paid for the others' bytes. Reading each pair of key rows for all heads, and each block's
+     * values head after head, halved a 4k-token call for the fp16 and K8V8 caches on the Zen 4 EPYC (README,
+     * "Quantized KV cache"). With rows enough to keep the threads busy, a row is a task; with fewer, the
+     * threads share each row's segments instead of its heads. */
+    const long R = B * T, nkv_ = nkv;
+    if (R >= 2L * nthreads) {
+        #pragma omp parallel num_threads(nthreads)
+        {
+            kv_scratch *S = (kv_scratch *)malloc(sizeof(kv_scratch) * nkv_);
+            for (long h = 0; h < nkv_; h++) S[h] = scratch_new(C, 1);
+            #pragma omp for schedule(dynamic, 1)
+            for (long bt = 0; bt < R; bt++) {
+                if (wide) attend_avx512(C, S, bt);
+                else attend_avx2(C, S, bt);
+            }
+            for (long h = 0; h < nkv_; h++) scratch_free(&S[h]);
+            free(S);
+        }
+        free(C);
+        return;
+    }
+    /* few rows: each row's scores (nkv, g, maxlen) and each of its segments' value sums (nkv heads) are the
+     * call's, and the threads share the rows in phases: scores a few blocks at a time for every head, the
+     * softmax a head at a time, the value sums a segment at a time (for every head, or with fewer segments
+     * than threads for one head: its sums are its own either way), then each head's segments in order */
+    long *first = (long *)malloc(sizeof(long) * (R + 1));  /* row r's segments: first[r] .. first[r+1]-1 */
+    long *cfirst = (long *)malloc(sizeof(long) * (R + 1));  /* row r's score chunks: cfirst[r] .. */
+    first[0] = cfirst[0] = 0;
+    for (long r = 0; r < R; r++) {
+        const kv_task tk = task_of(C, r);
+        const int ok = row_valid(C, r);
+        first[r + 1] = first[r] + (ok ? seg_end(&tk) - seg_first(&tk) : 0);
+        cfirst[r + 1] = cfirst[r] + (ok ? (tk.jend - tk.jbeg + SCHUNK - 1) / SCHUNK : 0);
+    }
+    const long nseg = first[R], nchunk = cfirst[R], sstride = C->g * C->maxlen + 16, astride = acc_floats(C);
+    const long hpt = nseg >= 2L * nthreads ? nkv : 1, nvt = nseg * (nkv / hpt);  /* heads per values task */
+    float *scores = falloc64(R * nkv * sstride), *accs = falloc64((nseg > 0 ? nseg : 1) * nkv * astride);
     #pragma omp parallel num_threads(nthreads)
     {
-        kv_scratch S[MAXKV];
-        for (long h = 0; h < hpt; h++) S[h] = scratch_new(C);
-        #pragma omp for schedule(dynamic, 1) collapse(2)
-        for (long bt = 0; bt < B * T; bt++)
-            for (long t = 0; t < nt; t++) {
-                if (wide) attend_avx512(C, S, bt, t * hpt, (t + 1) * hpt);
-                else attend_avx2(C, S, bt, t * hpt, (t + 1) * hpt);
+        kv_scratch *S = (kv_scratch *)malloc(sizeof(kv_scratch) * nkv_);
+        float **sc = (float **)malloc(sizeof(float *) * nkv_);
+        kv_acc *A = (kv_acc *)malloc(sizeof(kv_acc) * nkv_);
+        for (long h = 0; h < nkv_; h++) S[h] = scratch_new(C, 0);
+        long qp_row = -1;
+        #pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < nchunk; t++) {  /* 1: the scores, SCHUNK blocks at a time */
+            long r = 0;
+            while (cfirst[r + 1] <= t) r++;
+            const kv_task tk = task_of(C, r);
+            const long ja = tk.jbeg + (t - cfirst[r]) * SCHUNK, jz = ja + SCHUNK < tk.jend ? ja + SCHUNK : tk.jend;
+            for (long h = 0; h < nkv_; h++) sc[h] = scores + (r * nkv_ + h) * sstride;
+            if (wide) part_scores_avx512(C, S, r, ja, jz, sc, &qp_row);
+            else part_scores_avx2(C, S, r, ja, jz, sc, &qp_row);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < R * nkv_; t++) {  /* 2: each head's softmax over the whole row */
+            const long r = t / nkv_;
+            if (!row_valid(C, r)) continue;
+            const kv_task tk = task_of(C, r);
+            if (wide) softmax_head_avx512(C, scores + t * sstride, tk.end - tk.start);
+            else softmax_head_avx2(C, scores + t * sstride, tk.end - tk.start);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < nvt; t++) {  /* 3: a segment's value sums, from zero */
+            const long u = t / (nkv_ / hpt), h0 = t % (nkv_ / hpt) * hpt;
+            long r = 0;
+            while (first[r + 1] <= u) r++;
+            const kv_task tk = task_of(C, r);
+            for (long h = 0; h < nkv_; h++) {
+                sc[h] = scores + (r * nkv_ + h) * sstride;
+                A[h] = acc_at(C, accs + (u * nkv_ + h) * astride);
             }
-        for (long h = 0; h < hpt; h++) scratch_free(&S[h]);
+            if (wide) seg_values_avx512(C, S, r, seg_first(&tk) + u - first[r], h0, h0 + hpt, sc, A);
+            else seg_values_avx2(C, S, r, seg_first(&tk) + u - first[r], h0, h0 + hpt, sc, A);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (long t = 0; t < R * nkv_; t++) {  /* 4: a head's segments added in order, and its output */
+            const long r = t / nkv_, h = t % nkv_;
+            float *oh = out + (r * nh + h * C->g) * hd;
+            if (!row_valid(C, r)) { memset(oh, 0, sizeof(float) * C->g * hd); continue; }
+            const kv_acc tot = acc_at(C, accs + (first[r] * nkv_ + h) * astride);
+            for (long u = first[r] + 1; u < first[r + 1]; u++) {
+                const kv_acc a = acc_at(C, accs + (u * nkv_ + h) * astride);
+                acc_add(C, &tot, &a);
+            }
+            acc_out(C, &tot, oh);
+        }
+        for (long h = 0; h < nkv_; h++) {
+            S[h].scores = NULL;  /* the call's, not the scratch's */
+            scratch_free(&S[h]);
+        }
+        free(S); free(sc); free(A);
     }
+    free(cfirst);
+    free(scores); free(accs); free(first);
     free(C);
 }

@@ -1,8 +1,11 @@
-/* A task of qb_attention_kv: one query row against the keys and values of its span, for a range of KV heads
- * (each with its own scratch, S[h]): the scores of a head's g query heads against every key, their softmax,
- * and the weighted sum of the values. attn_kv.c includes this file twice: with WIDE 0 (AVX2 helpers) and
- * WIDE 1 (AVX-512 helpers, under a target pragma), SFX naming each copy. The wide helpers sum every lane in
- * the AVX2 helpers' order, so both give the same bits; which heads share a task changes no sum's order. */
+/* The work of qb_attention_kv on one query row, for all its KV heads (each with its own scratch, S[h]): the
+ * scores of a head's g query heads against every key, their softmax, and the weighted sum of the values,
+ * segment by segment (VSEG). A row is either one task (``attend``) or, with few rows, shared between threads
+ * in phases (``part_scores``, ``softmax_head``, ``seg_values``; attn_kv.c adds the segments up). attn_kv.c
+ * includes this file twice: with WIDE 0 (AVX2 helpers) and WIDE 1 (AVX-512 helpers, under a target pragma),
+ * SFX naming each copy. The wide helpers sum every lane in the AVX2 helpers' order, so both give the same
+ * bits, and so do the two ways of splitting a row: a score is one key's, and a segment's sums start from zero
+ * either way. */
 
 /* the scores of heads [kh0, kh1) against block jb's keys */
 static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long kh0, long kh1, long jb) {
@@ -85,8 +88,8 @@ static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
     for (long h = 0; h < nh; h++) close_scores(S[h].raw, g, bs, nrow, S[h].c0, rowf, S[h].scores + j0 - start, maxlen);
 }
 
-/* head kh's weighted sum of block jb's values, added to its running sums */
-static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_task *tk, long kh, long jb) {
+/* head kh's weighted sum of block jb's values, added to the sums A */
+static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_acc *A, const kv_task *tk, long kh, long jb) {
     const kv_src *V = &C->V;
     const long nkv = C->nkv, hd = C->hd, bs = C->bs, g = C->g, maxlen = C->maxlen, W = C->W;
     const long vrb = C->vrb, nvg = C->nvg, vC = C->vC;
@@ -94,7 +97,7 @@ static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
     const long start = tk->start, end = tk->end, nq = tk->nq, slot = tk->slot;
     const int64_t *tab = tk->tab;
     float *scores = S->scores, *wbuf = S->wbuf;  /* wbuf (g, bs): a block's value weights */
-    float *accn = S->accn, *accp = S->accp, *bias = S->bias;
+    float *accn = A->accn, *accp = A->accp, *bias = A->bias;
     const kv_span sp = span_at(jb, start, end, bs, tab, nq, C->rv, slot, W, nkv, kh, hd, V->codes, vrb);
     const long j0 = sp.j0, j1 = sp.j1, blk = sp.blk;
     const int in_ring = sp.ring != NULL;
@@ -159,51 +162,60 @@ static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
     }
 }
 
-/* the task's heads [kh0, kh1) of query row bt: every head's scores block by block (a block's key rows read
- * once, a pair of rows at a time for all heads), each head's softmax, then the values block by block, each
- * head's slice of a block's rows in turn */
-static void SFX(attend)(const kv_call *C, kv_scratch *S, long bt, long kh0, long kh1) {
-    const long nh = C->nh, hd = C->hd, bs = C->bs, g = C->g, W = C->W, nvg = C->nvg;
-    float *o = C->out + bt * nh * hd;
-    if (C->qvalid && !C->qvalid[bt]) { memset(o + kh0 * g * hd, 0, sizeof(float) * (kh1 - kh0) * g * hd); return; }
-    kv_task tk = {.bt = bt, .b = bt / C->T};
-    tk.end = C->qpos[bt] + 1;
-    tk.start = (C->window > 0 && tk.end > C->window) ? tk.end - C->window : 0;
-    tk.nq = W > 0 ? (C->ctx[tk.b] / bs - (W - 1) > 0 ? C->ctx[tk.b] / bs - (W - 1) : 0) : C->nblk;
-    tk.tab = C->tables + tk.b * C->nblk;
-    tk.slot = C->slots ? C->slots[tk.b] : 0;
-    const long n = tk.end - tk.start, jbeg = tk.start / bs, jend = (tk.end + bs - 1) / bs;
-    for (long kh = kh0; kh < kh1; kh++) {
-        kv_scratch *Sh = S + (kh - kh0);
-        if (C->K.mode == KV_CHANNEL) {  /* the query in K's perm order, once: each KIVI block scales it */
-            const float *qh = C->q + (bt * nh + kh * g) * hd;
-            for (long i = 0; i < g; i++)
-                for (long d = 0; d < hd; d++) Sh->qp[i * MAXHD + d] = qh[i * hd + C->kinv[d]];
-        }
-        memset(Sh->accn, 0, sizeof(float) * g * MAXHD);
-        memset(Sh->accp, 0, sizeof(float) * g * MAXHD);
-        memset(Sh->bias, 0, sizeof(float) * g * (nvg + 1));
-    }
-    for (long jb = jbeg; jb < jend; jb++) SFX(scores)(C, S, &tk, kh0, kh1, jb);
-    for (long kh = kh0; kh < kh1; kh++)
-        for (long i = 0; i < g; i++)
+/* every head's softmax over the row's n scores */
+static void SFX(softmax_head)(const kv_call *C, float *scores, long n) {
+    for (long i = 0; i < C->g; i++)
 #if WIDE
-            softmax_row512(S[kh - kh0].scores + i * C->maxlen, n);
+        softmax_row512(scores + i * C->maxlen, n);
 #else
-            softmax_row(S[kh - kh0].scores + i * C->maxlen, n);
+        softmax_row(scores + i * C->maxlen, n);
 #endif
-    for (long jb = jbeg; jb < jend; jb++)
-        for (long kh = kh0; kh < kh1; kh++) SFX(values)(C, S + (kh - kh0), &tk, kh, jb);
-    for (long kh = kh0; kh < kh1; kh++) {
-        const float *accn = S[kh - kh0].accn, *accp = S[kh - kh0].accp, *bias = S[kh - kh0].bias;
-        float *oh = o + kh * g * hd;
-        for (long i = 0; i < g; i++) {
-            if (C->V.mode == KV_TOKEN)
-                for (long d = 0; d < hd; d++)
-                    oh[i * hd + d] = accn[i * MAXHD + d] + accp[i * MAXHD + C->vperm[d]] +
-                                     bias[i * (nvg + 1) + C->vgroup_of[d / C->vC]];
-            else
-                memcpy(oh + i * hd, accn + i * MAXHD, sizeof(float) * hd);
-        }
+}
+
+/* query row bt as one task: every head's scores block by block (a block's key rows read once, a pair of rows
+ * at a time for all heads), each head's softmax, then the values segment by segment, each block's rows head
+ * after head; the first segment sums into the total directly, a later one from zero and is then added */
+static void SFX(attend)(const kv_call *C, kv_scratch *S, long bt) {
+    const long nh = C->nh, hd = C->hd, g = C->g, nkv = C->nkv;
+    float *o = C->out + bt * nh * hd;
+    if (!row_valid(C, bt)) { memset(o, 0, sizeof(float) * nh * hd); return; }
+    const kv_task tk = task_of(C, bt);
+    if (C->K.mode == KV_CHANNEL)
+        for (long kh = 0; kh < nkv; kh++) query_perm(C, S + kh, bt, kh);
+    for (long jb = tk.jbeg; jb < tk.jend; jb++) SFX(scores)(C, S, &tk, 0, nkv, jb);
+    for (long kh = 0; kh < nkv; kh++) SFX(softmax_head)(C, S[kh].scores, tk.end - tk.start);
+    const long s0 = seg_first(&tk), s1 = seg_end(&tk);
+    for (long s = s0; s < s1; s++) {
+        for (long kh = 0; kh < nkv; kh++) acc_zero(C, s == s0 ? &S[kh].tot : &S[kh].seg);
+        for (long jb = seg_lo(&tk, s); jb < seg_hi(&tk, s); jb++)
+            for (long kh = 0; kh < nkv; kh++) SFX(values)(C, S + kh, s == s0 ? &S[kh].tot : &S[kh].seg, &tk, kh, jb);
+        if (s > s0)
+            for (long kh = 0; kh < nkv; kh++) acc_add(C, &S[kh].tot, &S[kh].seg);
     }
+    for (long kh = 0; kh < nkv; kh++) acc_out(C, &S[kh].tot, o + kh * g * hd);
+}
+
+/* A row shared between threads, phase 1: every head's scores against blocks [ja, jz), into the row's scores
+ * shared by the call (scores[kh], each (g, maxlen)); *qp_row: the row whose permuted query S holds */
+static void SFX(part_scores)(const kv_call *C, kv_scratch *S, long bt, long ja, long jz, float *const *scores,
+                             long *qp_row) {
+    const kv_task tk = task_of(C, bt);
+    for (long kh = 0; kh < C->nkv; kh++) {
+        S[kh].scores = scores[kh];
+        if (C->K.mode == KV_CHANNEL && *qp_row != bt) query_perm(C, S + kh, bt, kh);
+    }
+    *qp_row = bt;  /* the row whose query S[].qp holds: a thread's next part of it needs no new one */
+    for (long jb = ja; jb < jz; jb++) SFX(scores)(C, S, &tk, 0, C->nkv, jb);
+}
+
+/* phase 3: segment s's value sums of heads [kh0, kh1) from zero, into A[kh] */
+static void SFX(seg_values)(const kv_call *C, kv_scratch *S, long bt, long s, long kh0, long kh1,
+                            float *const *scores, const kv_acc *A) {
+    const kv_task tk = task_of(C, bt);
+    for (long kh = kh0; kh < kh1; kh++) {
+        S[kh].scores = scores[kh];
+        acc_zero(C, A + kh);
+    }
+    for (long jb = seg_lo(&tk, s); jb < seg_hi(&tk, s); jb++)
+        for (long kh = kh0; kh < kh1; kh++) SFX(values)(C, S + kh, A + kh, &tk, kh, jb);
 }

@@ -20,7 +20,7 @@ from qbench.errors import QBenchError
 from qbench.paths import qbench_home
 
 SOURCES = ("gemm_f32.c", "ops_f32.c", "gemm_q.c", "gemm_a8.c", "gemm_a8_vnni.c", "gemm_a8_amx.c", "dequant.c", "attn_kv.c", "attn_prefill.c", "layer.c", "kv_store.c", "gptq.c")
-HEADERS = ("panel.h", "a8_quad.h", "vecmath.h", "attn_kv256.h", "attn_kv512.h", "attn_kv_head.h")  # part of the cache key
+HEADERS = ("panel.h", "a8_quad.h", "vecmath.h", "attn_kv256.h", "attn_kv512.h", "attn_kv_head.h", "attn_kv_rows.h")  # part of the cache key
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-lm"]
 
 
