@@ -145,6 +145,7 @@ typedef struct {  /* one thread's buffers for one KV head */
     float *raw;            /* a block's partial scores (g, bs, 8) */
     float *rowf;           /* per block row: a score multiplier, or V's scale and minimum (2, bs) */
     float *wbuf;           /* a block's value weights (g, bs) */
+    float *block;          /* head 0's: the one allocation every head's buffers lie in (scratch_new) */
 } kv_scratch;
 
 /* One head's V weights for one group of a KIVI block's rows: w[r] = p[r] * s[r], and the block's share of
@@ -278,15 +279,13 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
     if (R >= 2L * nthreads) {
         #pragma omp parallel num_threads(nthreads)
         {
-            kv_scratch *S = (kv_scratch *)malloc(sizeof(kv_scratch) * nkv_);
-            for (long h = 0; h < nkv_; h++) S[h] = scratch_new(C, 1);
+            kv_scratch *S = scratch_new(C, 1);
             #pragma omp for schedule(dynamic, 1)
             for (long bt = 0; bt < R; bt++) {
                 if (wide) attend_avx512(C, S, bt);
                 else attend_avx2(C, S, bt);
             }
-            for (long h = 0; h < nkv_; h++) scratch_free(&S[h]);
-            free(S);
+            scratch_free(S);
         }
         free(C);
         return;
@@ -309,10 +308,9 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
     float *scores = falloc64(R * nkv * sstride), *accs = falloc64((nseg > 0 ? nseg : 1) * nkv * astride);
     #pragma omp parallel num_threads(nthreads)
     {
-        kv_scratch *S = (kv_scratch *)malloc(sizeof(kv_scratch) * nkv_);
+        kv_scratch *S = scratch_new(C, 0);
         float **sc = (float **)malloc(sizeof(float *) * nkv_);
         kv_acc *A = (kv_acc *)malloc(sizeof(kv_acc) * nkv_);
-        for (long h = 0; h < nkv_; h++) S[h] = scratch_new(C, 0);
         long qp_row = -1;
         #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < nchunk; t++) {  /* 1: the scores, SCHUNK blocks at a time */
@@ -357,11 +355,8 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
             }
             acc_out(C, &tot, oh);
         }
-        for (long h = 0; h < nkv_; h++) {
-            S[h].scores = NULL;  /* the call's, not the scratch's */
-            scratch_free(&S[h]);
-        }
-        free(S); free(sc); free(A);
+        scratch_free(S);
+        free(sc); free(A);
     }
     free(cfirst);
     free(scores); free(accs); free(first);

@@ -86,23 +86,39 @@ static void acc_out(const kv_call *C, const kv_acc *A, float *oh) {
     }
 }
 
-/* one head's buffers in a task; without scores where the call shares them */
-static kv_scratch scratch_new(const kv_call *C, int own_scores) {
-    const long g = C->g, bs = C->bs;
-    return (kv_scratch){.scores = own_scores ? (float *)malloc(sizeof(float) * (g * C->maxlen + 16)) : NULL,
-                        .qp = falloc64(g * MAXHD),
-                        .qs = falloc64(g * MAXHD),
-                        .seg = acc_at(C, falloc64(acc_floats(C))),
-                        .tot = acc_at(C, falloc64(acc_floats(C))),
-                        .c0 = (float *)malloc(sizeof(float) * g),
-                        .sblk = falloc64(2 * MAXHD),
-                        .sperm = falloc64(MAXHD),
-                        .raw = falloc64(g * bs * 8),
-                        .rowf = (float *)malloc(sizeof(float) * 2 * bs),
-                        .wbuf = (float *)malloc(sizeof(float) * g * bs)};
+/* n floats rounded up to whole 64-byte lines */
+static long lines16(long n) { return (n + 15) & ~15L; }
+
+/* a thread's buffers for every KV head, carved from one allocation (freed with scratch_free); without scores
+ * where the call shares them */
+static kv_scratch *scratch_new(const kv_call *C, int own_scores) {
+    const long g = C->g, bs = C->bs, nkv = C->nkv;
+    const long ns = own_scores ? lines16(g * C->maxlen + 16) : 0;
+    const long per = ns + 2 * lines16(g * MAXHD) + 2 * acc_floats(C) + lines16(g) + 3 * MAXHD + lines16(g * bs * 8) +
+                     lines16(2 * bs) + lines16(g * bs);
+    kv_scratch *S = (kv_scratch *)malloc(sizeof(kv_scratch) * nkv);
+    float *p = falloc64(nkv * per);
+    for (long h = 0; h < nkv; h++) {
+        float *q = p + h * per;
+#define TAKE(n) (q += (n), q - (n))
+        S[h].scores = own_scores ? TAKE(ns) : NULL;
+        S[h].qp = TAKE(lines16(g * MAXHD));
+        S[h].qs = TAKE(lines16(g * MAXHD));
+        S[h].seg = acc_at(C, TAKE(acc_floats(C)));
+        S[h].tot = acc_at(C, TAKE(acc_floats(C)));
+        S[h].c0 = TAKE(lines16(g));
+        S[h].sblk = TAKE(2 * MAXHD);
+        S[h].sperm = TAKE(MAXHD);
+        S[h].raw = TAKE(lines16(g * bs * 8));
+        S[h].rowf = TAKE(lines16(2 * bs));
+        S[h].wbuf = TAKE(lines16(g * bs));
+#undef TAKE
+    }
+    S[0].block = p;
+    return S;
 }
 
 static void scratch_free(kv_scratch *S) {
-    free(S->scores); free(S->qp); free(S->qs); free(S->seg.accn); free(S->tot.accn);
-    free(S->c0); free(S->sblk); free(S->sperm); free(S->raw); free(S->rowf); free(S->wbuf);
+    free(S[0].block);
+    free(S);
 }
