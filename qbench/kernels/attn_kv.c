@@ -304,7 +304,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
         cfirst[r + 1] = cfirst[r] + (ok ? (tk.jend - tk.jbeg + SCHUNK - 1) / SCHUNK : 0);
     }
     const long nseg = first[R], nchunk = cfirst[R], sstride = C->g * C->maxlen + 16, astride = acc_floats(C);
-    const long hpt = nseg >= 2L * nthreads ? nkv : 1, nvt = nseg * (nkv / hpt);  /* heads per values task */
+    const long hpt = nseg >= nthreads ? nkv : 1, nvt = nseg * (nkv / hpt);  /* heads per values task */
     float *scores = falloc64(R * nkv * sstride), *accs = falloc64((nseg > 0 ? nseg : 1) * nkv * astride);
     #pragma omp parallel num_threads(nthreads)
     {
