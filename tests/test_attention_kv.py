@@ -272,11 +272,7 @@ def test_rows_of_several_segments_match_dequantize_then_attend(scheme):
     gen = torch.Generator().manual_seed(7)
     attend, meta, layer = long_rows(scheme, hd, nkv, gen)
     q = torch.randn(len(LONG), 1, nh, hd, generator=gen)
-    if scheme == "fp16":
-        L = meta.block_tables.shape[1] * BS
-        keys, values = (t[meta.block_tables].reshape(len(LONG), L, nkv, hd).transpose(1, 2) for t in (layer.k, layer.v))
-    else:
-        keys, values = layer.read_meta(meta)
+    keys, values = layer.read(meta.block_tables) if scheme == "fp16" else layer.read_meta(meta)
     for window in (None, 700):
         want = reference(q, keys, values, meta, window, 0.125)
         torch.testing.assert_close(attend(q, range(4), window), want, rtol=1e-4, atol=1e-5)

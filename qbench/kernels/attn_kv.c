@@ -275,7 +275,7 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
      * values head after head, halved a 4k-token call for the fp16 and K8V8 caches on the Zen 4 EPYC (README,
      * "Quantized KV cache"). With rows enough to keep the threads busy, a row is a task; with fewer, the
      * threads share each row's segments instead of its heads. */
-    const long R = B * T, nkv_ = nkv;
+    const long R = B * T;
     if (R >= 2L * nthreads) {
         #pragma omp parallel num_threads(nthreads)
         {
@@ -309,22 +309,21 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
     #pragma omp parallel num_threads(nthreads)
     {
         kv_scratch *S = scratch_new(C, 0);
-        float **sc = (float **)malloc(sizeof(float *) * nkv_);
-        kv_acc *A = (kv_acc *)malloc(sizeof(kv_acc) * nkv_);
+        float **sc = (float **)malloc(sizeof(float *) * nkv);
+        kv_acc *A = (kv_acc *)malloc(sizeof(kv_acc) * nkv);
         long qp_row = -1;
         #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < nchunk; t++) {  /* 1: the scores, SCHUNK blocks at a time */
-            long r = 0;
-            while (cfirst[r + 1] <= t) r++;
+            const long r = row_of(cfirst, t);
             const kv_task tk = task_of(C, r);
             const long ja = tk.jbeg + (t - cfirst[r]) * SCHUNK, jz = ja + SCHUNK < tk.jend ? ja + SCHUNK : tk.jend;
-            for (long h = 0; h < nkv_; h++) sc[h] = scores + (r * nkv_ + h) * sstride;
+            for (long h = 0; h < nkv; h++) sc[h] = scores + (r * nkv + h) * sstride;
             if (wide) part_scores_avx512(C, S, r, ja, jz, sc, &qp_row);
             else part_scores_avx2(C, S, r, ja, jz, sc, &qp_row);
         }
         #pragma omp for schedule(dynamic, 1)
-        for (long t = 0; t < R * nkv_; t++) {  /* 2: each head's softmax over the whole row */
-            const long r = t / nkv_;
+        for (long t = 0; t < R * nkv; t++) {  /* 2: each head's softmax over the whole row */
+            const long r = t / nkv;
             if (!row_valid(C, r)) continue;
             const kv_task tk = task_of(C, r);
             if (wide) softmax_head_avx512(C, scores + t * sstride, tk.end - tk.start);
@@ -332,25 +331,24 @@ void qb_attention_kv(const float *q, float *out, long B, long T, long nh, long n
         }
         #pragma omp for schedule(dynamic, 1)
         for (long t = 0; t < nvt; t++) {  /* 3: a segment's value sums, from zero */
-            const long u = t / (nkv_ / hpt), h0 = t % (nkv_ / hpt) * hpt;
-            long r = 0;
-            while (first[r + 1] <= u) r++;
+            const long u = t / (nkv / hpt), h0 = t % (nkv / hpt) * hpt;
+            const long r = row_of(first, u);
             const kv_task tk = task_of(C, r);
-            for (long h = 0; h < nkv_; h++) {
-                sc[h] = scores + (r * nkv_ + h) * sstride;
-                A[h] = acc_at(C, accs + (u * nkv_ + h) * astride);
+            for (long h = h0; h < h0 + hpt; h++) {
+                sc[h] = scores + (r * nkv + h) * sstride;
+                A[h] = acc_at(C, accs + (u * nkv + h) * astride);
             }
             if (wide) seg_values_avx512(C, S, r, seg_first(&tk) + u - first[r], h0, h0 + hpt, sc, A);
             else seg_values_avx2(C, S, r, seg_first(&tk) + u - first[r], h0, h0 + hpt, sc, A);
         }
         #pragma omp for schedule(dynamic, 1)
-        for (long t = 0; t < R * nkv_; t++) {  /* 4: a head's segments added in order, and its output */
-            const long r = t / nkv_, h = t % nkv_;
+        for (long t = 0; t < R * nkv; t++) {  /* 4: a head's segments added in order, and its output */
+            const long r = t / nkv, h = t % nkv;
             float *oh = out + (r * nh + h * C->g) * hd;
             if (!row_valid(C, r)) { memset(oh, 0, sizeof(float) * C->g * hd); continue; }
-            const kv_acc tot = acc_at(C, accs + (first[r] * nkv_ + h) * astride);
+            const kv_acc tot = acc_at(C, accs + (first[r] * nkv + h) * astride);
             for (long u = first[r] + 1; u < first[r + 1]; u++) {
-                const kv_acc a = acc_at(C, accs + (u * nkv_ + h) * astride);
+                const kv_acc a = acc_at(C, accs + (u * nkv + h) * astride);
                 acc_add(C, &tot, &a);
             }
             acc_out(C, &tot, oh);

@@ -26,6 +26,13 @@ static kv_task task_of(const kv_call *C, long bt) {
 
 static int row_valid(const kv_call *C, long bt) { return !C->qvalid || C->qvalid[bt]; }
 
+/* the row of a call's task t, where row r's tasks are first[r] .. first[r + 1] - 1 (few rows: a scan) */
+static long row_of(const long *first, long t) {
+    long r = 0;
+    while (first[r + 1] <= t) r++;
+    return r;
+}
+
 /* a task's segments: s0 .. s1 - 1; segment s holds its blocks [max(jbeg, s VSEG), min(jend, (s + 1) VSEG)) */
 static long seg_first(const kv_task *tk) { return tk->jbeg / VSEG; }
 static long seg_end(const kv_task *tk) { return (tk->jend - 1) / VSEG + 1; }
@@ -43,8 +50,11 @@ static void query_perm(const kv_call *C, kv_scratch *S, long bt, long kh) {
 /* n floats, 64-byte aligned (aligned_alloc wants a size that is a multiple of the alignment) */
 static float *falloc64(long n) { return (float *)aligned_alloc(64, (sizeof(float) * n + 63) & ~63UL); }
 
-/* floats of one kv_acc, rounded up to whole 64-byte lines */
-static long acc_floats(const kv_call *C) { return (2 * C->g * MAXHD + C->g * (C->nvg + 1) + 15) & ~15L; }
+/* n floats rounded up to whole 64-byte lines */
+static long lines16(long n) { return (n + 15) & ~15L; }
+
+/* floats of one kv_acc, in whole 64-byte lines */
+static long acc_floats(const kv_call *C) { return lines16(2 * C->g * MAXHD + C->g * (C->nvg + 1)); }
 
 static kv_acc acc_at(const kv_call *C, float *base) {
     return (kv_acc){.accn = base, .accp = base + C->g * MAXHD, .bias = base + 2 * C->g * MAXHD};
@@ -85,9 +95,6 @@ static void acc_out(const kv_call *C, const kv_acc *A, float *oh) {
             memcpy(oh + i * hd, A->accn + i * MAXHD, sizeof(float) * hd);
     }
 }
-
-/* n floats rounded up to whole 64-byte lines */
-static long lines16(long n) { return (n + 15) & ~15L; }
 
 /* a thread's buffers for every KV head, carved from one allocation (freed with scratch_free); without scores
  * where the call shares them */
