@@ -131,6 +131,10 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
               help="Also run MODEL with a quantized KV cache from this recipe (e.g. kv8, kv4; repeatable).")
 @click.option("--qlinear", default="native", show_default=True,
               help="Low-bit kernels for the variants, comma list of native, aten, aten-bf16, reference.")
+@click.option("--rounds", default=1, show_default=True, type=int,
+              help="Run every case this many times, round-robin, each in a fresh process; report each case's "
+                   "median round with the range, and each ratio as the median of the rounds' ratios. On a noisy "
+                   "host 3 or more show how far one run could mislead.")
 @click.option("--out", "out_path", type=click.Path(), help="Write the JSON report here.")
 @click.option("--workload", type=click.Choice(["gsm8k", "agent", "mixed"]),
               help="Replay a request stream instead: gsm8k (prefix cache off/on), agent (20 steps, growing "
@@ -140,7 +144,7 @@ def generate(model, prompt, prompts_file, chat, max_new_tokens, temperature, top
 @click.option("--tp", "tp", type=click.Choice(["backend", "ring"]),
               help="Under torchrun: the tensor-parallel engine per rank and the ring all-reduce against gloo's.")
 def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants, kvs, qlinear,
-          out_path, workload, suite, limit, tp):
+          rounds, out_path, workload, suite, limit, tp):
     """Measure prefill/decode speed and memory of qbench against its peers, in one run."""
     from qbench.bench.runner import BenchConfig, run_bench
     from qbench.bench.table import render_table
@@ -149,6 +153,8 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
     if out_path:
         check_output_file(Path(out_path), "qbench bench")  # before the long measurement
 
+    if rounds != 1 and (tp or workload):
+        raise QBenchError("bench: --rounds repeats the table's cases; --tp and --workload runs take one round")
     if tp:
         from qbench.bench.scaleout import render_tp, run_tp_bench
         from qbench.dist.comm import Dist
@@ -169,7 +175,7 @@ def bench(model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes
 
     cfg = BenchConfig.parse(model=model, batch_sizes=batch_sizes, prompt_len=prompt_len, gen_len=gen_len,
                             backends=backends, nocache_batch_sizes=nocache_batch_sizes, dtype=dtype,
-                            variants=variants, qlinear=qlinear, kv=kvs)
+                            variants=variants, qlinear=qlinear, kv=kvs, rounds=rounds)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     _emit(render_table(report), report, out_path)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Check the README's speed claims with `qbench bench`: one run per claim, ratios from that run.
+"""Check the README's speed claims with `qbench bench`: one run per claim, ratios from that run (the median of
+the file's `rounds`, each ratio paired within its round).
 
     .venv/bin/python scripts/check_speed.py [--claims scripts/speed_claims.yaml]
 
@@ -47,6 +48,11 @@ def main() -> int:
     args = ap.parse_args()
     spec = yaml.safe_load(Path(args.claims).read_text())
     default_margin = float(spec["margin"])
+    rounds = spec.get("rounds", 1)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        print(f"check_speed: {args.claims}: rounds must be a whole number of at least 1, got {rounds!r}",
+              file=sys.stderr)
+        return 2
     for i, claim in enumerate(spec["claims"]):  # all of them before any bench runs
         unknown = set(claim) - CLAIM_KEYS
         if unknown:  # a misspelt `cpu_lacks` would otherwise widen a claim to CPUs it was not measured on
@@ -74,14 +80,16 @@ def main() -> int:
             report = Path(tmp) / "bench.json"
             b = int(claim["batch"])
             qbench("bench", claim["model"], "--backends", "qbench", "--batch-sizes", str(b), "--prompt-len",
-                   str(claim["prompt_len"]), "--gen-len", str(claim["gen_len"]), *variants, "--out", str(report))
+                   str(claim["prompt_len"]), "--gen-len", str(claim["gen_len"]), *variants, "--rounds", str(rounds),
+                   "--out", str(report))
             result = json.loads(report.read_text())
-            ratios = result["ratios"]
+            ratios, every = result["ratios"], result.get("ratio_rounds", {})
             tok_s = {r["label"]: r["decode_tok_s"] for r in result["results"] if r["batch"] == b}
-        print(f"\n{claim['model']}, batch {b}, decode over the fp32 engine (one run; fails below claim x "
+        how = "one run" if rounds == 1 else f"the median of {rounds} rounds, each ratio paired within its round"
+        print(f"\n{claim['model']}, batch {b}, decode over the fp32 engine ({how}; fails below claim x "
               f"{1 - margin:.2f}):")
         print(f"fp32 engine: {tok_s.get('qbench', float('nan')):.1f} tok/s in this run")
-        print("| recipe | decode tok/s | claim | measured | floor | verdict |\n|---|---|---|---|---|---|")
+        print("| recipe | decode tok/s | claim | measured | rounds | floor | verdict |\n|---|---|---|---|---|---|---|")
         for recipe, want in claim["over_fp32_engine"].items():
             got = ratios.get(f"qbench[{recipe}]/qbench@{b}")
             floor = want * (1 - margin)
@@ -90,7 +98,8 @@ def main() -> int:
             checked += 1
             shown = "missing" if got is None else f"{got:.2f}x"
             tps = tok_s.get(f"qbench[{recipe}]", float("nan"))
-            print(f"| {recipe} | {tps:.1f} | {want:.2f}x | {shown} | {floor:.2f}x | "
+            spread = ", ".join(f"{v:.2f}" for v in every.get(f"qbench[{recipe}]/qbench@{b}", [])) or "-"
+            print(f"| {recipe} | {tps:.1f} | {want:.2f}x | {shown} | {spread} | {floor:.2f}x | "
                   f"{'holds' if ok else 'BELOW THE CLAIM'} |")
     print(f"\n{checked} claims checked, {failed} below their floor" if checked else "\nno claim applies here")
     return 1 if failed else 0

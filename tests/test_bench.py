@@ -187,3 +187,66 @@ def test_an_evicting_cache_reserves_its_budget_not_the_whole_context(tmp_path, s
     snap = r["qbench[kv-snap]"]
     assert snap["kv_bytes_reserved"] == (2 * 2 + 2) * block
     assert snap["kv_bytes_used"] == 2 * 2 * block  # 16 kept + 5 new tokens each, in 2 blocks
+
+
+def test_rounds_report_the_median_round_and_pair_each_ratio_within_its_round():
+    from qbench.bench.figures import combine_case, combine_ratios, ratios
+
+    def row(label, tps, prefill, rss, tokens=((1, 2),)):
+        return {"label": label, "batch": 1, "decode_tok_s": tps, "prefill_tok_s": prefill, "peak_rss_bytes": rss,
+                "step_ms": {"p50": 1000 / tps}, "tokens": [list(t) for t in tokens]}
+    fp = [row("qbench", 40.0, 300.0, 5), row("qbench", 20.0, 500.0, 7), row("qbench", 30.0, 100.0, 6),
+          row("qbench", 50.0, 200.0, 4)]
+    q = [row("qbench[w4]", 100.0, 900.0, 3), row("qbench[w4]", 50.0, 800.0, 3), row("qbench[w4]", 90.0, 700.0, 3),
+         row("qbench[w4]", 160.0, 600.0, 2, tokens=((1, 3),))]
+    c = combine_case(fp)
+    # four rounds: the lower middle one (30 tok/s, round 3) whole, so step times and speed come from one run
+    assert c["decode_tok_s"] == 30.0 and c["step_ms"]["p50"] == 1000 / 30
+    assert c["prefill_tok_s"] == 200.0 and c["peak_rss_bytes"] == 7
+    assert c["rounds"]["decode_tok_s"] == [40.0, 20.0, 30.0, 50.0] and c["same_tokens_every_round"]
+    assert combine_case(q)["same_tokens_every_round"] is False
+    assert combine_case(fp[:1]) is fp[0]  # one round: the row as it was measured
+    per_round = [ratios([a, b]) for a, b in zip(fp, q)]
+    med, every = combine_ratios(per_round)
+    # paired within each round (2.5, 2.5, 3.0, 3.2; median 2.75), not the ratio of the two rows' medians (90 / 30)
+    assert every["qbench[w4]/qbench@1"] == [2.5, 2.5, 3.0, 3.2] and med["qbench[w4]/qbench@1"] == 2.75
+    assert combine_case(q)["decode_tok_s"] / c["decode_tok_s"] == 3.0
+    # a ratio that a round lacks (its peer crashed there) is the median of the rounds that have it
+    med, every = combine_ratios([{"a": 1.0, "b": 2.0}, {"a": 3.0}, {"a": 2.0, "b": 4.0}])
+    assert med == {"a": 2.0, "b": 3.0} and every["b"] == [2.0, 4.0]
+
+
+def test_a_bench_of_rounds_runs_the_cases_in_turn(smollm2):
+    from qbench.bench.runner import BenchConfig, run_bench
+    from qbench.bench.table import render_table
+    log = []
+    cfg = BenchConfig.parse(model=SMOL, batch_sizes="1", prompt_len=8, gen_len=4, backends="qbench",
+                            nocache_batch_sizes="1", dtype="fp32", kv=("kv8",), rounds=2)
+    report = run_bench(cfg, log=log.append)
+    cases = [line for line in log if line.startswith("[")]
+    assert cases == ["[1/2] (round 1/2) qbench batch 1 ...", "[2/2] (round 1/2) qbench[kv8] batch 1 ...",
+                     "[1/2] (round 2/2) qbench batch 1 ...", "[2/2] (round 2/2) qbench[kv8] batch 1 ..."]
+    assert sum(line.startswith("read bandwidth (round") for line in log) == 2
+    r = {x["label"]: x for x in report["results"]}
+    fp, kv8 = r["qbench"], r["qbench[kv8]"]
+    for x in (fp, kv8):
+        assert len(x["rounds"]["decode_tok_s"]) == 2 and x["same_tokens_every_round"]
+        assert x["decode_tok_s"] == min(x["rounds"]["decode_tok_s"])  # the lower of two
+        assert x["roofline"]["fraction"] == x["decode_tok_s"] / x["roofline"]["ceiling_tok_s"]
+    pairs = [a / b for a, b in zip(kv8["rounds"]["decode_tok_s"], fp["rounds"]["decode_tok_s"])]
+    assert report["ratio_rounds"]["qbench[kv8]/qbench@1"] == pairs
+    assert report["ratios"]["qbench[kv8]/qbench@1"] == sum(pairs) / 2
+    bw = report["machine"]["read_bandwidth"]
+    assert bw["bytes_per_s"] == max(bw["rounds_bytes_per_s"]) and len(bw["rounds_bytes_per_s"]) == 2
+    text = render_table(report)
+    assert "2 rounds" in text and "median of the rounds" in text and "qbench[kv8]/qbench@1" in text
+    lo, hi = sorted(pairs)
+    assert f"({lo:.2f}-{hi:.2f})" in text
+
+
+def test_rounds_below_one_or_with_a_workload_are_refused_with_one_line():
+    for extra in (["--rounds", "0"], ["--rounds", "2", "--workload", "agent"]):
+        p = subprocess.run([sys.executable, "-m", "qbench", "bench", SMOL, "--backends", "qbench", *extra],
+                           capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert p.returncode == 2, p.stderr
+        assert "--rounds" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

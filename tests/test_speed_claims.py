@@ -55,6 +55,18 @@ def test_a_misspelt_field_is_refused_with_exit_2_before_any_claim_runs(tmp_path)
     assert "machine:" not in p.stdout  # refused before the first claim's bench, not after it
 
 
+def test_rounds_that_are_not_a_whole_number_of_at_least_one_are_refused_before_any_claim(tmp_path):
+    for rounds in (0, 2.5, "3", True):
+        bad = tmp_path / "claims.yaml"
+        bad.write_text(yaml.safe_dump({"margin": 0.2, "rounds": rounds, "claims": [
+            {"model": "smollm2-135m-instruct", "cpu_flags": [], "batch": 1, "prompt_len": 8, "gen_len": 8,
+             "over_fp32_engine": {"w8": 1.5}}]}))
+        p = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_speed.py"), "--claims", str(bad)],
+                           capture_output=True, text=True)
+        assert p.returncode == 2 and "rounds" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "machine:" not in p.stdout
+
+
 def test_a_claim_for_another_cpu_is_skipped_and_said(tmp_path):
     other = tmp_path / "claims.yaml"
     other.write_text(yaml.safe_dump({"margin": 0.2, "claims": [

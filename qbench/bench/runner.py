@@ -33,6 +33,7 @@ class BenchConfig:
     variants: tuple[str, ...] = ()  # quantized artifacts run on qbench's engine beside the fp model
     qlinear: tuple[str, ...] = ("native",)  # which low-bit kernels run the variants (see quant/qlinear.py)
     kv: tuple[str, ...] = ()  # recipes whose kv section runs the fp model with a quantized KV cache
+    rounds: int = 1  # every case this many times, round-robin; figures are medians, ratios paired per round
 
     def __post_init__(self):
         for b in self.backends:
@@ -43,6 +44,8 @@ class BenchConfig:
         for q in self.qlinear:
             if q not in IMPLS:
                 raise QBenchError(f"bench: --qlinear {q!r}; choose from {', '.join(IMPLS)}")
+        if self.rounds < 1:
+            raise QBenchError(f"bench: --rounds must be at least 1, got {self.rounds}")
         if self.prompt_len < 1 or self.gen_len < 2:
             raise QBenchError("bench: --prompt-len must be >= 1 and --gen-len >= 2")
         if self.kv and "qbench" not in self.backends:
@@ -53,7 +56,7 @@ class BenchConfig:
 
     @classmethod
     def parse(cls, model, batch_sizes, prompt_len, gen_len, backends, nocache_batch_sizes, dtype, variants=(),
-              qlinear="native", kv=()):
+              qlinear="native", kv=(), rounds=1):
         def ints(s, name):
             try:
                 return tuple(int(x) for x in s.split(",") if x.strip())
@@ -63,7 +66,7 @@ class BenchConfig:
                    gen_len=gen_len, backends=tuple(b.strip() for b in backends.split(",") if b.strip()),
                    nocache_batch_sizes=ints(nocache_batch_sizes, "--nocache-batch-sizes"), dtype=dtype,
                    variants=tuple(variants), qlinear=tuple(x.strip() for x in qlinear.split(",") if x.strip()),
-                   kv=tuple(kv))
+                   kv=tuple(kv), rounds=rounds)
 
 
 def summarize(raw: dict, prompt_tokens: int) -> dict:
@@ -253,58 +256,53 @@ def _variant_name(spec: str) -> str:
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
     from qbench.bench.roofline import attach, describe_bandwidth, read_bandwidth
+    from qbench.bench.figures import agreement, combine_case, combine_ratios, ratios
 
     cases, skipped = plan(cfg)
     for s in skipped:
         log(f"skipping {s}")
-    # in a process of its own, before the cases: its multi-GiB buffer here would be inherited by every
-    # case's peak RSS (Linux keeps the high-water mark across fork and exec)
-    bandwidth = run_isolated(read_bandwidth, {})
-    log(f"read bandwidth: {describe_bandwidth(bandwidth)}")
-    results = []
-    for i, case in enumerate(cases, 1):
-        log(f"[{i}/{len(cases)}] {case['label']} batch {case['batch']} ...")
-        try:
-            results.append(run_isolated(run_case, case))
-        except CaseCrashed as e:
-            if case["backend"] != "llama.cpp":
-                raise QBenchError(f"bench: {case['label']} batch {case['batch']}: {e}") from None
-            # a peer that cannot run here is reported, not fatal: qbench's own rows still stand
-            skipped.append(f"{case['label']} batch {case['batch']}: {e}")
-            log(f"skipping {skipped[-1]}")
-    _agreement(results)
+    rows: list[list[dict]] = [[] for _ in cases]  # per case, one row per round
+    round_ratios, probes, dead = [], [], set()
+    for rnd in range(1, cfg.rounds + 1):
+        tag = f" (round {rnd}/{cfg.rounds})" if cfg.rounds > 1 else ""
+        # in a process of its own, before the cases: its multi-GiB buffer here would be inherited by every
+        # case's peak RSS (Linux keeps the high-water mark across fork and exec)
+        probes.append(run_isolated(read_bandwidth, {}))
+        log(f"read bandwidth{tag}: {describe_bandwidth(probes[-1])}")
+        this_round = []
+        for i, case in enumerate(cases):
+            if i in dead:
+                continue
+            log(f"[{i + 1}/{len(cases)}]{tag} {case['label']} batch {case['batch']} ...")
+            try:
+                rows[i].append(run_isolated(run_case, case))
+            except CaseCrashed as e:
+                if case["backend"] != "llama.cpp":
+                    raise QBenchError(f"bench: {case['label']} batch {case['batch']}: {e}") from None
+                # a peer that cannot run here is reported, not fatal: qbench's own rows still stand
+                skipped.append(f"{case['label']} batch {case['batch']}: {e}")
+                log(f"skipping {skipped[-1]}")
+                dead.add(i)
+                continue
+            this_round.append(rows[i][-1])
+        round_ratios.append(ratios(this_round))  # paired: both sides of a ratio ran in this round
+    bandwidth = max(probes, key=lambda p: p["bytes_per_s"])  # the machine's ability; a slower probe met a busy host
+    if cfg.rounds > 1:
+        bandwidth = dict(bandwidth, method=f"the highest of {cfg.rounds} rounds' {bandwidth['method']}",
+                         rounds_bytes_per_s=[p["bytes_per_s"] for p in probes])
+    results = [combine_case(r) for r in rows if r]
+    agreement(results)
     for r in results:
         attach(r, bandwidth["bytes_per_s"], cfg.prompt_len, cfg.gen_len)
-    return {
+    median_ratios, every_round = combine_ratios(round_ratios)
+    report = {
         "config": asdict(cfg),
         "machine": dict(machine(), read_bandwidth=bandwidth),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "skipped": skipped,
         "results": results,
-        "ratios": ratios(results),
+        "ratios": median_ratios,
     }
-
-
-def _agreement(results: list[dict]) -> None:
-    """Record, per case, how many greedy tokens match the hf backend at the same batch size."""
-    ref = {r["batch"]: r["tokens"] for r in results if r["label"] == "hf"}
-    for r in results:
-        toks = r.pop("tokens")
-        if r["batch"] in ref and r["label"] != "hf":
-            pairs = [(a, b) for x, y in zip(toks, ref[r["batch"]]) for a, b in zip(x, y)]
-            r["greedy_match_vs_hf"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
-
-
-def ratios(results: list[dict]) -> dict:
-    """Decode tok/s ratios from this run: qbench over each peer, and each quantized variant over the
-    fp engine and over llama.cpp, per batch size."""
-    by = {(r["label"], r["batch"]): r["decode_tok_s"] for r in results}
-    out = {}
-    for (label, b), tps in by.items():
-        if label.startswith("qbench["):
-            for ref in ("qbench", "llama.cpp"):
-                if (ref, b) in by:
-                    out[f"{label}/{ref}@{b}"] = tps / by[(ref, b)]
-        elif label != "qbench" and ("qbench", b) in by:
-            out[f"qbench/{label}@{b}"] = by[("qbench", b)] / tps
-    return out
+    if cfg.rounds > 1:
+        report["ratio_rounds"] = every_round
+    return report

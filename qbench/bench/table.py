@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qbench.bench.figures import spread
 from qbench.bench.roofline import describe_bandwidth
 
 
@@ -33,7 +34,11 @@ def render_table(report: dict) -> str:
         kv = f"{_mb(r.get('kv_bytes_used'))}/{_mb(r.get('kv_bytes_reserved'))}"
         match = r.get("greedy_match_vs_hf")
         roof = r.get("roofline")
-        rows.append([r["label"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}",
+        decode = f"{r['decode_tok_s']:.1f}"
+        if "rounds" in r:  # the median round, and the range over all of them
+            lo, hi = min(r["rounds"]["decode_tok_s"]), max(r["rounds"]["decode_tok_s"])
+            decode += f" ({lo:.1f}-{hi:.1f})"
+        rows.append([r["label"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}", decode,
                      f"{r['step_ms']['p50']:.1f}", quarters, _mb(r.get("weight_bytes")),
                      "-" if r.get("bits_per_weight") is None else f"{r['bits_per_weight']:.2f}", _per_token(r), kv,
                      _mb(roof and roof["bytes_per_step"]), "-" if roof is None else f"{roof['fraction']:.0%}",
@@ -43,17 +48,28 @@ def render_table(report: dict) -> str:
     bw = m.get("read_bandwidth")
     if bw is not None:
         head += f"\nread bandwidth {describe_bandwidth(bw)}; roofline = batch x bandwidth / bytes read per decode step"
+    rounds = report["config"].get("rounds", 1)
+    if rounds > 1:
+        head += (f"\n{rounds} rounds, every case once per round in turn: a row is its median round (decode tok/s "
+                 f"with its range over the rounds), a ratio the median of the rounds' ratios (range in brackets)")
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if report["ratios"]:
+        every = report.get("ratio_rounds", {})
+        shown = [f"{k} {v:.2f}x" + (f" ({spread(every[k])})" if len(every.get(k, ())) > 1 else "")
+                 for k, v in sorted(report["ratios"].items())]
         out.append("")
-        out.append("decode speed, qbench / peer (same run): " +
-                   ", ".join(f"{k} {v:.2f}x" for k, v in sorted(report["ratios"].items())))
+        out.append(("decode speed, qbench / peer (same round; median of the rounds): " if rounds > 1 else
+                    "decode speed, qbench / peer (same run): ") + ", ".join(shown))
     builds = {r["llama_cpp_build"] for r in report["results"] if r.get("llama_cpp_build")}
     for b in sorted(builds):
         out.append(f"llama.cpp build: {b}")
     paths = {r["label"]: r["decode_path"] for r in report["results"] if r.get("decode_path")}
     if paths:
         out.append("qbench decode steps: " + ", ".join(f"{k} {v}" for k, v in paths.items()))
+    unstable = [f"{r['label']} batch {r['batch']}" for r in report["results"]
+                if r.get("same_tokens_every_round") is False]
+    if unstable:
+        out.append("NOT DETERMINISTIC: other greedy tokens in another round: " + ", ".join(unstable))
     for s in report.get("skipped", []):
         out.append(f"skipped: {s}")
     return "\n".join(out)
