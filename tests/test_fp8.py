@@ -44,8 +44,16 @@ def test_every_byte_widens_exactly():
     lin = make_qlinear(q, None, "native")
     from qbench.kernels.ops import dequant_f8
     assert torch.equal(dequant_f8(lin.panels, lin.scale32, 16).t(), dequantize(q))
-    # and the GEMM of the identity is the weight, exactly
+    # and the GEMM of the identity is the weight, exactly: all rows at once (the six-row tiles), and one and two
+    # rows a call (decode's narrow tiles, which widen two k at a time), with K even and odd (the last k alone)
     assert torch.equal(lin._matmul(torch.eye(254), False).t(), dequantize(q))
+    for k in (254, 253):
+        lin = make_qlinear(QTensor(8, codes[:, :k].contiguous(), q.scale, None, None, (16, k), type="float"),
+                           None, "native")
+        eye = torch.eye(k)
+        for m in (1, 2):
+            rows = torch.cat([lin._matmul(eye[i:i + m], False) for i in range(0, k - m + 1, m)])
+            assert torch.equal(rows.t(), dequantize(q)[:, :rows.shape[0]]), (k, m)
 
 
 @pytest.mark.parametrize("impl", ["native", "aten", "reference"])

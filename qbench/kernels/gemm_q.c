@@ -54,6 +54,16 @@ static inline __attribute__((always_inline)) void tile_i8(const int MT, const in
         __m256 w0, w1;                                                                                  \
         widen16(F8, wj, &w0, &w1);                                                                      \
         FMA_I8(0, j) if (MT > 1) FMA_I8(1, j) }
+#define FMA_F8(i, j, kk, v0, v1) { __m256 xb = _mm256_broadcast_ss(x + i * K + (kk));                  \
+                                  a##i##j##0 = _mm256_fmadd_ps(xb, v0, a##i##j##0);                     \
+                                  a##i##j##1 = _mm256_fmadd_ps(xb, v1, a##i##j##1); }
+#define PANEL_F8(j) if (NP > j) {                                                                       \
+        const int8_t *wj = w + j * K * PANEL + k * PANEL;                                                \
+        if ((k & 3) == 0) PREFETCH_Q(wj);                                                                \
+        __m256 p0, p1, q0, q1;                                                                          \
+        widen32_f8(wj, &p0, &p1, &q0, &q1);                                                             \
+        FMA_F8(0, j, k, p0, p1) if (MT > 1) FMA_F8(1, j, k, p0, p1)                                     \
+        FMA_F8(0, j, k + 1, q0, q1) if (MT > 1) FMA_F8(1, j, k + 1, q0, q1) }
 #define OUT_I8(i, j) if (NP > j && MT > i)                                                              \
         store16(y + i * N + j * PANEL, _mm256_mul_ps(a##i##j##0, scale8(F8, scale + j * PANEL)),         \
                 _mm256_mul_ps(a##i##j##1, scale8(F8, scale + j * PANEL + 8)), j == NP - 1 ? nlast : PANEL);
@@ -62,7 +72,12 @@ static inline __attribute__((always_inline)) void tile_i8_narrow(const int MT, c
                                                                 const float *scale, float *y, long N,
                                                                 long nlast) {
     ACC_I8(0, 0) ACC_I8(0, 1) ACC_I8(0, 2) ACC_I8(0, 3) ACC_I8(1, 0) ACC_I8(1, 1) ACC_I8(1, 2) ACC_I8(1, 3)
-    for (long k = 0; k < K; k++) {
+    long k = 0;
+    if (F8)  /* two k at a time (widen32_f8); each column still adds k, then k + 1: the same bits */
+        for (; k + 2 <= K; k += 2) {
+            PANEL_F8(0) PANEL_F8(1) PANEL_F8(2) PANEL_F8(3)
+        }
+    for (; k < K; k++) {
         PANEL_I8(0) PANEL_I8(1) PANEL_I8(2) PANEL_I8(3)
     }
     OUT_I8(0, 0) OUT_I8(0, 1) OUT_I8(0, 2) OUT_I8(0, 3) OUT_I8(1, 0) OUT_I8(1, 1) OUT_I8(1, 2) OUT_I8(1, 3)
@@ -70,6 +85,8 @@ static inline __attribute__((always_inline)) void tile_i8_narrow(const int MT, c
 #undef ACC_I8
 #undef FMA_I8
 #undef PANEL_I8
+#undef FMA_F8
+#undef PANEL_F8
 #undef OUT_I8
 
 #define NARROW(mt, np) tile_i8_narrow(mt, np, F8, x, w, K, scale + n0, y + n0, N, nlast)
