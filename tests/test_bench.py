@@ -236,12 +236,16 @@ def test_a_bench_of_rounds_runs_the_cases_in_turn(smollm2):
     pairs = [a / b for a, b in zip(kv8["rounds"]["decode_tok_s"], fp["rounds"]["decode_tok_s"])]
     assert report["ratio_rounds"]["qbench[kv8]/qbench@1"] == pairs
     assert report["ratios"]["qbench[kv8]/qbench@1"] == sum(pairs) / 2
+    prefill = [a / b for a, b in zip(kv8["rounds"]["prefill_tok_s"], fp["rounds"]["prefill_tok_s"])]
+    assert report["prefill_ratio_rounds"]["qbench[kv8]/qbench@1"] == prefill
+    assert report["prefill_ratios"]["qbench[kv8]/qbench@1"] == sum(prefill) / 2
     bw = report["machine"]["read_bandwidth"]
     assert bw["bytes_per_s"] == max(bw["rounds_bytes_per_s"]) and len(bw["rounds_bytes_per_s"]) == 2
     text = render_table(report)
     assert "2 rounds" in text and "median of the rounds" in text and "qbench[kv8]/qbench@1" in text
-    lo, hi = sorted(pairs)
-    assert f"({lo:.2f}-{hi:.2f})" in text
+    for line, p in zip(("decode speed", "prefill speed"), (pairs, prefill)):
+        shown = next(t for t in text.splitlines() if t.startswith(line))
+        assert f"({min(p):.2f}-{max(p):.2f})" in shown, shown
 
 
 def test_rounds_below_one_or_with_a_workload_are_refused_with_one_line():

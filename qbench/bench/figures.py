@@ -57,10 +57,10 @@ def agreement(results: list[dict]) -> None:
             r["greedy_match_vs_hf"] = sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
-def ratios(results: list[dict]) -> dict:
-    """Decode tok/s ratios from one round: qbench over each peer, and each quantized variant over the
-    fp engine and over llama.cpp, per batch size."""
-    by = {(r["label"], r["batch"]): r["decode_tok_s"] for r in results}
+def ratios(results: list[dict], speed: str = "decode_tok_s") -> dict:
+    """Decode (or, with speed="prefill_tok_s", prefill) tok/s ratios from one round: qbench over each peer, and
+    each quantized variant over the fp engine and over llama.cpp, per batch size."""
+    by = {(r["label"], r["batch"]): r[speed] for r in results}
     out = {}
     for (label, b), tps in by.items():
         if label.startswith("qbench["):

@@ -262,7 +262,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     for s in skipped:
         log(f"skipping {s}")
     rows: list[list[dict]] = [[] for _ in cases]  # per case, one row per round
-    round_ratios, probes, dead = [], [], set()
+    round_ratios, round_prefill, probes, dead = [], [], [], set()
     for rnd in range(1, cfg.rounds + 1):
         tag = f" (round {rnd}/{cfg.rounds})" if cfg.rounds > 1 else ""
         # in a process of its own, before the cases: its multi-GiB buffer here would be inherited by every
@@ -286,6 +286,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                 continue
             this_round.append(rows[i][-1])
         round_ratios.append(ratios(this_round))  # paired: both sides of a ratio ran in this round
+        round_prefill.append(ratios(this_round, "prefill_tok_s"))
     bandwidth = max(probes, key=lambda p: p["bytes_per_s"])  # the machine's ability; a slower probe met a busy host
     if cfg.rounds > 1:
         bandwidth = dict(bandwidth, method=f"the highest of {cfg.rounds} rounds' {bandwidth['method']}",
@@ -295,6 +296,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     for r in results:
         attach(r, bandwidth["bytes_per_s"], cfg.prompt_len, cfg.gen_len)
     median_ratios, every_round = combine_ratios(round_ratios)
+    prefill_ratios, every_prefill = combine_ratios(round_prefill)
     report = {
         "config": asdict(cfg),
         "machine": dict(machine(), read_bandwidth=bandwidth),
@@ -302,7 +304,9 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         "skipped": skipped,
         "results": results,
         "ratios": median_ratios,
+        "prefill_ratios": prefill_ratios,
     }
     if cfg.rounds > 1:
         report["ratio_rounds"] = every_round
+        report["prefill_ratio_rounds"] = every_prefill
     return report

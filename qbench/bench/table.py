@@ -54,12 +54,14 @@ def render_table(report: dict) -> str:
                  f"with its range over the rounds), a ratio the median of the rounds' ratios (range in brackets)")
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if report["ratios"]:
-        every = report.get("ratio_rounds", {})
-        shown = [f"{k} {v:.2f}x" + (f" ({spread(every[k])})" if len(every.get(k, ())) > 1 else "")
-                 for k, v in sorted(report["ratios"].items())]
         out.append("")
-        out.append(("decode speed, qbench / peer (same round; median of the rounds): " if rounds > 1 else
-                    "decode speed, qbench / peer (same run): ") + ", ".join(shown))
+    for what, key in (("decode", "ratios"), ("prefill", "prefill_ratios")):
+        every = report.get(key.replace("ratios", "ratio_rounds"), {})
+        shown = [f"{k} {v:.2f}x" + (f" ({spread(every[k])})" if len(every.get(k, ())) > 1 else "")
+                 for k, v in sorted(report.get(key, {}).items())]
+        if shown:
+            out.append((f"{what} speed, qbench / peer (same round; median of the rounds): " if rounds > 1 else
+                        f"{what} speed, qbench / peer (same run): ") + ", ".join(shown))
     builds = {r["llama_cpp_build"] for r in report["results"] if r.get("llama_cpp_build")}
     for b in sorted(builds):
         out.append(f"llama.cpp build: {b}")
