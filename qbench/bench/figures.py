@@ -42,9 +42,9 @@ def combine_ratios(per_round: list[dict]) -> tuple[dict, dict]:
     return {name: statistics.median(v) for name, v in values.items()}, values
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], digits: int = 2) -> str:
     """'1.41-1.60': the range of a figure over the rounds."""
-    return f"{min(values):.2f}-{max(values):.2f}"
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}"
 
 
 def agreement(results: list[dict]) -> None:

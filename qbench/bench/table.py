@@ -36,8 +36,7 @@ def render_table(report: dict) -> str:
         roof = r.get("roofline")
         decode = f"{r['decode_tok_s']:.1f}"
         if "rounds" in r:  # the median round, and the range over all of them
-            lo, hi = min(r["rounds"]["decode_tok_s"]), max(r["rounds"]["decode_tok_s"])
-            decode += f" ({lo:.1f}-{hi:.1f})"
+            decode += f" ({spread(r['rounds']['decode_tok_s'], 1)})"
         rows.append([r["label"], str(r["batch"]), f"{r['prefill_tok_s']:.0f}", decode,
                      f"{r['step_ms']['p50']:.1f}", quarters, _mb(r.get("weight_bytes")),
                      "-" if r.get("bits_per_weight") is None else f"{r['bits_per_weight']:.2f}", _per_token(r), kv,
@@ -55,8 +54,9 @@ def render_table(report: dict) -> str:
     out = [head, line(cols), line(["-" * w for w in widths])] + [line(r) for r in rows]
     if report["ratios"]:
         out.append("")
-    for what, key in (("decode", "ratios"), ("prefill", "prefill_ratios")):
-        every = report.get(key.replace("ratios", "ratio_rounds"), {})
+    for what, key, per_round in (("decode", "ratios", "ratio_rounds"),
+                                 ("prefill", "prefill_ratios", "prefill_ratio_rounds")):
+        every = report.get(per_round, {})
         shown = [f"{k} {v:.2f}x" + (f" ({spread(every[k])})" if len(every.get(k, ())) > 1 else "")
                  for k, v in sorted(report.get(key, {}).items())]
         if shown:

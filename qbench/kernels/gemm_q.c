@@ -45,25 +45,22 @@ static inline __attribute__((always_inline)) void tile_i8(const int MT, const in
  * The accumulators are named registers: held in an array, GCC kept them on the stack, and every FMA waited
  * on a store and a reload (17 against 22 GB/s of INT8 weights on an AVX2 EPYC). */
 #define ACC_I8(i, j) __m256 a##i##j##0 = _mm256_setzero_ps(), a##i##j##1 = a##i##j##0;
-#define FMA_I8(i, j) { __m256 xb = _mm256_broadcast_ss(x + i * K + k);                                  \
-                       a##i##j##0 = _mm256_fmadd_ps(xb, w0, a##i##j##0);                                \
-                       a##i##j##1 = _mm256_fmadd_ps(xb, w1, a##i##j##1); }
+#define FMA_I8(i, j, kk, v0, v1) { __m256 xb = _mm256_broadcast_ss(x + i * K + (kk));                  \
+                                  a##i##j##0 = _mm256_fmadd_ps(xb, v0, a##i##j##0);                     \
+                                  a##i##j##1 = _mm256_fmadd_ps(xb, v1, a##i##j##1); }
 #define PANEL_I8(j) if (NP > j) {                                                                       \
         const int8_t *wj = w + j * K * PANEL + k * PANEL;                                                \
         if ((k & 3) == 0) PREFETCH_Q(wj);                                                                \
         __m256 w0, w1;                                                                                  \
         widen16(F8, wj, &w0, &w1);                                                                      \
-        FMA_I8(0, j) if (MT > 1) FMA_I8(1, j) }
-#define FMA_F8(i, j, kk, v0, v1) { __m256 xb = _mm256_broadcast_ss(x + i * K + (kk));                  \
-                                  a##i##j##0 = _mm256_fmadd_ps(xb, v0, a##i##j##0);                     \
-                                  a##i##j##1 = _mm256_fmadd_ps(xb, v1, a##i##j##1); }
+        FMA_I8(0, j, k, w0, w1) if (MT > 1) FMA_I8(1, j, k, w0, w1) }
 #define PANEL_F8(j) if (NP > j) {                                                                       \
         const int8_t *wj = w + j * K * PANEL + k * PANEL;                                                \
         if ((k & 3) == 0) PREFETCH_Q(wj);                                                                \
         __m256 p0, p1, q0, q1;                                                                          \
         widen32_f8(wj, &p0, &p1, &q0, &q1);                                                             \
-        FMA_F8(0, j, k, p0, p1) if (MT > 1) FMA_F8(1, j, k, p0, p1)                                     \
-        FMA_F8(0, j, k + 1, q0, q1) if (MT > 1) FMA_F8(1, j, k + 1, q0, q1) }
+        FMA_I8(0, j, k, p0, p1) if (MT > 1) FMA_I8(1, j, k, p0, p1)                                     \
+        FMA_I8(0, j, k + 1, q0, q1) if (MT > 1) FMA_I8(1, j, k + 1, q0, q1) }
 #define OUT_I8(i, j) if (NP > j && MT > i)                                                              \
         store16(y + i * N + j * PANEL, _mm256_mul_ps(a##i##j##0, scale8(F8, scale + j * PANEL)),         \
                 _mm256_mul_ps(a##i##j##1, scale8(F8, scale + j * PANEL + 8)), j == NP - 1 ? nlast : PANEL);
@@ -85,7 +82,6 @@ static inline __attribute__((always_inline)) void tile_i8_narrow(const int MT, c
 #undef ACC_I8
 #undef FMA_I8
 #undef PANEL_I8
-#undef FMA_F8
 #undef PANEL_F8
 #undef OUT_I8
 
