@@ -43,11 +43,6 @@ static void fp8_lut_init(void) {
 
 static inline __m256i u8x8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
-/* lane l of field t: (byte l >> t*bits) & mask, as float */
-static inline __m256 field(__m256i u, __m256i shift, __m256i mask) {
-    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(u, shift), mask));
-}
-
 /* 8 consecutive channels of a row stored in a natural-order mode (fp32, fp16, bf16, fp8 without its scale) */
 static inline __m256 load8(int mode, const void *row, long d) {
     switch (mode) {

@@ -25,16 +25,25 @@ static inline __attribute__((always_inline)) void score_row(const int NG, int mo
     for (int i = 0; i < NG; i++) _mm256_store_ps(out + i * ostride, _mm256_add_ps(a[i], b[i]));
 }
 
-static inline __attribute__((always_inline)) void score_codes(const int NG, const uint8_t *row, const float *qs,
-                                                              long hd, int per, int bits, float *out, long ostride) {
+/* field t of BITS-bit codes widened to int32 lanes, as float: the lowest field needs no shift, the highest no
+ * mask (attn_kv512.h's field512 on 8 lanes), so 8-bit codes cost one conversion */
+static inline __attribute__((always_inline)) __m256 field256(__m256i u, const int t, const int BITS) {
+    __m256i x = t ? _mm256_srli_epi32(u, t * BITS) : u;
+    if ((t + 1) * BITS < 8) x = _mm256_and_si256(x, _mm256_set1_epi32((1 << BITS) - 1));
+    return _mm256_cvtepi32_ps(x);
+}
+
+static inline __attribute__((always_inline)) void score_codes_b(const int NG, const int BITS, const uint8_t *row,
+                                                                const float *qs, long hd, float *out, long ostride) {
+    const int PER = 8 / BITS;
+    const long C = 8 * PER;
     __m256 a[8], b[8];
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
     for (int i = 0; i < NG; i++) a[i] = b[i] = _mm256_setzero_ps();
-    const long C = 8 * per;
     for (long c = 0; c < hd / C; c++) {
         __m256i u = u8x8(row + c * 8);
-        for (int t = 0; t < per; t++) {
-            __m256 v = field(u, _mm256_set1_epi32(t * bits), mask);
+        #pragma GCC unroll 4
+        for (int t = 0; t < PER; t++) {
+            __m256 v = field256(u, t, BITS);
             for (int i = 0; i < NG; i++) {
                 if (t & 1) b[i] = _mm256_fmadd_ps(_mm256_load_ps(qs + i * MAXHD + c * C + t * 8), v, b[i]);
                 else a[i] = _mm256_fmadd_ps(_mm256_load_ps(qs + i * MAXHD + c * C + t * 8), v, a[i]);
@@ -44,43 +53,100 @@ static inline __attribute__((always_inline)) void score_codes(const int NG, cons
     for (int i = 0; i < NG; i++) _mm256_store_ps(out + i * ostride, _mm256_add_ps(a[i], b[i]));
 }
 
-/* One V chunk (8 bytes of codes: 8 * PER channels in perm order) of a block's rows, for NG heads: the
- * accumulators stay in registers across the rows and are added to acc once. w (heads, wstride): each row's
- * weight p * s for each head. NG * PER <= 8. */
-static inline __attribute__((always_inline)) void vchunk(const int NG, const int PER, const uint8_t *codes,
-                                                         long rstride, long nrow, const float *w, long wstride,
-                                                         float *acc, int bits) {
-    __m256 a[8][4];
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    for (int i = 0; i < NG; i++)
-        for (int t = 0; t < PER; t++) a[i][t] = _mm256_setzero_ps();
-    for (long r = 0; r < nrow; r++) {
-        __m256i u = u8x8(codes + r * rstride);
-        for (int t = 0; t < PER; t++) {
-            __m256 v = field(u, _mm256_set1_epi32(t * bits), mask);
-            for (int i = 0; i < NG; i++) a[i][t] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i * wstride + r), v, a[i][t]);
-        }
+/* the code width a compile-time constant (per = 8 / bits), so no shift or mask is spent where none is needed */
+static inline __attribute__((always_inline)) void score_codes(const int NG, const uint8_t *row, const float *qs,
+                                                              long hd, int bits, float *out, long ostride) {
+    switch (bits) {
+    case 8: score_codes_b(NG, 8, row, qs, hd, out, ostride); break;
+    case 4: score_codes_b(NG, 4, row, qs, hd, out, ostride); break;
+    default: score_codes_b(NG, 2, row, qs, hd, out, ostride); break;
     }
-    for (int i = 0; i < NG; i++)
-        for (int t = 0; t < PER; t++)
-            _mm256_store_ps(acc + i * MAXHD + t * 8, _mm256_add_ps(_mm256_load_ps(acc + i * MAXHD + t * 8), a[i][t]));
 }
 
-#define VCHUNK(NG, ...) vchunk(NG, __VA_ARGS__)
+/* NC adjacent V chunks (8 bytes of codes each: 8 * PER channels in perm order, chunk n's at acc + n * vC) of a
+ * block's rows, for NG heads: the accumulators stay in registers across the rows and are added to acc once.
+ * w (heads, wstride): each row's weight p * s for each head. NG * PER * NC <= 8.
+ * Each accumulator is one chain of FMAs, a row at a time, so with few heads (SmolLM2's 3 per KV head, 8-bit
+ * V) one chunk waits on the FMA latency; NC chunks give NC times the chains. Every lane sums its rows in the
+ * same order whatever NC (and as vchunk2_512), so NC changes no bit. */
+static inline __attribute__((always_inline)) void vchunkn(const int NG, const int PER, const int NC,
+                                                          const uint8_t *codes, long rstride, long nrow,
+                                                          const float *w, long wstride, float *acc, long vC) {
+    const int BITS = 8 / PER;
+    __m256 a[8];  /* head i, field t, chunk n at (i * PER + t) * NC + n: a small flat array stays in registers */
+    #pragma GCC unroll 8
+    for (int k = 0; k < NG * PER * NC; k++) a[k] = _mm256_setzero_ps();
+    for (long r = 0; r < nrow; r++) {
+        __m256 wr[8];
+        #pragma GCC unroll 8
+        for (int i = 0; i < NG; i++) wr[i] = _mm256_broadcast_ss(w + i * wstride + r);
+        #pragma GCC unroll 4
+        for (int n = 0; n < NC; n++) {
+            const __m256i u = u8x8(codes + r * rstride + n * 8);
+            #pragma GCC unroll 4
+            for (int t = 0; t < PER; t++) {
+                const __m256 v = field256(u, t, BITS);
+                #pragma GCC unroll 8
+                for (int i = 0; i < NG; i++) a[(i * PER + t) * NC + n] = _mm256_fmadd_ps(wr[i], v, a[(i * PER + t) * NC + n]);
+            }
+        }
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < NG; i++)
+        #pragma GCC unroll 4
+        for (int t = 0; t < PER; t++)
+            #pragma GCC unroll 4
+            for (int n = 0; n < NC; n++) {
+                float *p = acc + i * MAXHD + n * vC + t * 8;
+                _mm256_store_ps(p, _mm256_add_ps(_mm256_load_ps(p), a[(i * PER + t) * NC + n]));
+            }
+}
+
+#define VCHUNK(NG, PER, ...) vchunkn(NG, PER, 1, __VA_ARGS__, 0)
+
+/* Chunks that NC of take at once with all g heads in registers: 4 or 2 where g * per * NC <= 8 and the V group
+ * has them left, else 1 (vchunk_multi takes over then) */
+static inline int vchunks_at_once(long g, int vper, long left) {
+    if (g * vper * 4 <= 8 && left >= 4) return 4;
+    if (g * vper * 2 <= 8 && left >= 2) return 2;
+    return 1;
+}
+
+/* nc (2 or 4, from vchunks_at_once) chunks for all g heads in one pass */
+static inline void vchunk_multi(long g, int vper, int nc, const uint8_t *codes, long rstride, long nrow,
+                                const float *w, long wstride, float *acc, long vC) {
+    if (nc == 4) {
+        if (vper == 2) vchunkn(1, 2, 4, codes, rstride, nrow, w, wstride, acc, vC);
+        else if (g == 2) vchunkn(2, 1, 4, codes, rstride, nrow, w, wstride, acc, vC);
+        else vchunkn(1, 1, 4, codes, rstride, nrow, w, wstride, acc, vC);
+    } else if (vper == 1) {
+        switch (g) {
+        case 4: vchunkn(4, 1, 2, codes, rstride, nrow, w, wstride, acc, vC); break;
+        case 3: vchunkn(3, 1, 2, codes, rstride, nrow, w, wstride, acc, vC); break;
+        case 2: vchunkn(2, 1, 2, codes, rstride, nrow, w, wstride, acc, vC); break;
+        default: vchunkn(1, 1, 2, codes, rstride, nrow, w, wstride, acc, vC); break;
+        }
+    } else if (vper == 2) {
+        if (g == 2) vchunkn(2, 2, 2, codes, rstride, nrow, w, wstride, acc, vC);
+        else vchunkn(1, 2, 2, codes, rstride, nrow, w, wstride, acc, vC);
+    } else {
+        vchunkn(1, 4, 2, codes, rstride, nrow, w, wstride, acc, vC);
+    }
+}
 
 /* score_codes for two rows at once: each q*s load serves both, and the two rows are independent chains. */
-static inline __attribute__((always_inline)) void score_codes2(const int NG, const uint8_t *row0, const uint8_t *row1,
-                                                               const float *qs, long hd, int per, int bits,
-                                                               float *out0, float *out1, long ostride) {
+static inline __attribute__((always_inline)) void score_codes2_b(const int NG, const int BITS, const uint8_t *row0,
+                                                                 const uint8_t *row1, const float *qs, long hd,
+                                                                 float *out0, float *out1, long ostride) {
+    const int PER = 8 / BITS;
+    const long C = 8 * PER;
     __m256 a[4], b[4];
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
     for (int i = 0; i < NG; i++) a[i] = b[i] = _mm256_setzero_ps();
-    const long C = 8 * per;
     for (long c = 0; c < hd / C; c++) {
         __m256i u = u8x8(row0 + c * 8), w = u8x8(row1 + c * 8);
-        for (int t = 0; t < per; t++) {
-            __m256i sh = _mm256_set1_epi32(t * bits);
-            __m256 v = field(u, sh, mask), x = field(w, sh, mask);
+        #pragma GCC unroll 4
+        for (int t = 0; t < PER; t++) {
+            __m256 v = field256(u, t, BITS), x = field256(w, t, BITS);
             for (int i = 0; i < NG; i++) {
                 __m256 qv = _mm256_load_ps(qs + i * MAXHD + c * C + t * 8);
                 a[i] = _mm256_fmadd_ps(qv, v, a[i]);
@@ -89,4 +155,14 @@ static inline __attribute__((always_inline)) void score_codes2(const int NG, con
         }
     }
     for (int i = 0; i < NG; i++) { _mm256_store_ps(out0 + i * ostride, a[i]); _mm256_store_ps(out1 + i * ostride, b[i]); }
+}
+
+static inline __attribute__((always_inline)) void score_codes2(const int NG, const uint8_t *row0, const uint8_t *row1,
+                                                               const float *qs, long hd, int bits, float *out0,
+                                                               float *out1, long ostride) {
+    switch (bits) {
+    case 8: score_codes2_b(NG, 8, row0, row1, qs, hd, out0, out1, ostride); break;
+    case 4: score_codes2_b(NG, 4, row0, row1, qs, hd, out0, out1, ostride); break;
+    default: score_codes2_b(NG, 2, row0, row1, qs, hd, out0, out1, ostride); break;
+    }
 }

@@ -11,7 +11,7 @@
 static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long kh0, long kh1, long jb) {
     const kv_src *K = &C->K;
     const long nkv = C->nkv, hd = C->hd, bs = C->bs, g = C->g, maxlen = C->maxlen, W = C->W, krb = C->krb;
-    const int kper = C->kper, kbits = K->bits;
+    const int kbits = K->bits;
     const long start = tk->start, end = tk->end, nq = tk->nq, slot = tk->slot, nh = kh1 - kh0;
     const float *q = C->q + (tk->bt * C->nh + kh0 * g) * hd;  /* head h's queries at q + h * g * hd */
     /* the heads' spans differ only in where their rows start */
@@ -71,7 +71,7 @@ static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
 #else
             for (long i0 = 0; i0 < g; i0 += 4) {
                 long ng = g - i0 < 4 ? g - i0 : 4;
-                SWITCH_HEADS4(ng, score_codes2, row, row + rs, qs + i0 * MAXHD, hd, kper, kbits, out + i0 * bs * 8,
+                SWITCH_HEADS4(ng, score_codes2, row, row + rs, qs + i0 * MAXHD, hd, kbits, out + i0 * bs * 8,
                               out + i0 * bs * 8 + 8, bs * 8)
             }
 #endif
@@ -81,7 +81,7 @@ static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
             const uint8_t *row = sp.codes + (off0 + r) * rs + h * hstep;
             for (long i0 = 0; i0 < g; i0 += 8) {
                 long ng = g - i0 < 8 ? g - i0 : 8;
-                SWITCH_HEADS(ng, score_codes, row, S[h].qs + i0 * MAXHD, hd, kper, kbits, S[h].raw + (i0 * bs + r) * 8, bs * 8)
+                SWITCH_HEADS(ng, score_codes, row, S[h].qs + i0 * MAXHD, hd, kbits, S[h].raw + (i0 * bs + r) * 8, bs * 8)
             }
         }
     for (r = 0; r < nrow; r++) rowf[r] = C->scale;
@@ -93,7 +93,7 @@ static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_acc *A, const 
     const kv_src *V = &C->V;
     const long nkv = C->nkv, hd = C->hd, bs = C->bs, g = C->g, maxlen = C->maxlen, W = C->W;
     const long vrb = C->vrb, nvg = C->nvg, vC = C->vC;
-    const int vper = C->vper, vbits = V->bits;
+    const int vper = C->vper;
     const long start = tk->start, end = tk->end, nq = tk->nq, slot = tk->slot;
     const int64_t *tab = tk->tab;
     float *scores = S->scores, *wbuf = S->wbuf;  /* wbuf (g, bs): a block's value weights */
@@ -148,17 +148,24 @@ static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_acc *A, const 
                 vchunk2_512_any(ng, vper, rows + c * 8, rs, nrow, wbuf + i0 * bs, bs, accp + i0 * MAXHD + c * vC);
             }
 #endif
-        for (; c < c1; c++)
+        for (; c < c1; c++) {
+            const int nc = vchunks_at_once(g, vper, c1 - c);
+            if (nc > 1) {  /* few heads: several chunks' chains at once */
+                vchunk_multi(g, vper, nc, rows + c * 8, rs, nrow, wbuf, bs, accp + c * vC, vC);
+                c += nc - 1;
+                continue;
+            }
             for (long i0 = 0; i0 < g; i0 += 8 / vper) {
                 const long hg = 8 / vper, ng = g - i0 < hg ? g - i0 : hg;  /* heads per register pass */
                 const uint8_t *cc = rows + c * 8;
                 const float *w = wbuf + i0 * bs;
                 float *acc = accp + i0 * MAXHD + c * vC;
-                if (vper == 4) { if (ng == 2) vchunk(2, 4, cc, rs, nrow, w, bs, acc, vbits);
-                                 else vchunk(1, 4, cc, rs, nrow, w, bs, acc, vbits); }
-                else if (vper == 2) { SWITCH_HEADS4(ng, VCHUNK, 2, cc, rs, nrow, w, bs, acc, vbits) }
-                else { SWITCH_HEADS(ng, VCHUNK, 1, cc, rs, nrow, w, bs, acc, vbits) }
+                if (vper == 4) { if (ng == 2) VCHUNK(2, 4, cc, rs, nrow, w, bs, acc);
+                                 else VCHUNK(1, 4, cc, rs, nrow, w, bs, acc); }
+                else if (vper == 2) { SWITCH_HEADS4(ng, VCHUNK, 2, cc, rs, nrow, w, bs, acc) }
+                else { SWITCH_HEADS(ng, VCHUNK, 1, cc, rs, nrow, w, bs, acc) }
             }
+        }
     }
 }
 
