@@ -67,7 +67,7 @@ SCHEMES = [KVScheme(8, 8), KVScheme(4, 4), KVScheme(2, 2), KVScheme(4, 2), KVSch
 
 
 @needs_kernel
-@pytest.mark.parametrize("hd, nh, nkv", [(64, 6, 2), (64, 14, 2), (128, 4, 4), (32, 8, 2)])
+@pytest.mark.parametrize("hd, nh, nkv", [(64, 6, 2), (64, 14, 2), (128, 4, 4), (32, 8, 2), (64, 8, 4)])
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.describe())
 def test_quantized_blocks_read_in_place_match_dequantize_then_attend(scheme, hd, nh, nkv):
     """Rows of 5 to 70 tokens, ten decode steps across block boundaries: every step's output equals the
@@ -120,7 +120,7 @@ needs_two_isas = pytest.mark.skipif(len(native_isas()) < 2, reason="one instruct
 
 @needs_kernel
 @needs_two_isas
-@pytest.mark.parametrize("hd, nh, nkv", [(64, 9, 3), (64, 14, 2), (128, 12, 1), (40, 6, 2), (32, 4, 4)])
+@pytest.mark.parametrize("hd, nh, nkv", [(64, 9, 3), (64, 14, 2), (128, 12, 1), (40, 6, 2), (32, 4, 4), (64, 8, 4)])
 @pytest.mark.parametrize("scheme", ISA_SCHEMES, ids=lambda s: s.describe())
 def test_the_avx512_path_reads_quantized_blocks_to_the_avx2_bits(scheme, hd, nh, nkv):
     """The AVX-512 helpers keep the AVX2 helpers' order of every sum: the same bits on every layout, group of

@@ -104,8 +104,8 @@ static inline __attribute__((always_inline)) void vchunkn(const int NG, const in
 
 #define VCHUNK(NG, PER, ...) vchunkn(NG, PER, 1, __VA_ARGS__, 0)
 
-/* Chunks that NC of take at once with all g heads in registers: 4 or 2 where g * per * NC <= 8 and the V group
- * has them left, else 1 (vchunk_multi takes over then) */
+/* How many chunks one pass takes with all g heads' accumulators in registers: 4 or 2 where g * per * 4 (or 2) <= 8
+ * and the V group has that many left (vchunk_multi then), else 1 (vchunkn by heads) */
 static inline int vchunks_at_once(long g, int vper, long left) {
     if (g * vper * 4 <= 8 && left >= 4) return 4;
     if (g * vper * 2 <= 8 && left >= 2) return 2;
