@@ -63,7 +63,7 @@ def kv_like(n, nkv, hd, gen):
 
 SCHEMES = [KVScheme(8, 8), KVScheme(4, 4), KVScheme(2, 2), KVScheme(4, 2), KVScheme(2, 8),
            KVScheme(8, 8, scheme="fp8"), KVScheme(16, 4), KVScheme(4, 16), KVScheme(4, 4, residual=48),
-           KVScheme(2, 2, v_group=64), KVScheme(4, 4, residual=32)]
+           KVScheme(2, 2, v_group=64), KVScheme(4, 4, residual=32), KVScheme(8, 4, v_group=64)]
 
 
 @needs_kernel
