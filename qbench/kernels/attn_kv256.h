@@ -106,14 +106,14 @@ static inline __attribute__((always_inline)) void vchunkn(const int NG, const in
 
 /* How many chunks one pass takes with all g heads' accumulators in registers: 4 or 2 where g * per * 4 (or 2) <= 8
  * and the V group has that many left (vchunk_multi then), else 1 (vchunkn by heads) */
-static inline int vchunks_at_once(long g, int vper, long left) {
+static inline long vchunks_at_once(long g, int vper, long left) {
     if (g * vper * 4 <= 8 && left >= 4) return 4;
     if (g * vper * 2 <= 8 && left >= 2) return 2;
     return 1;
 }
 
 /* nc (2 or 4, from vchunks_at_once) chunks for all g heads in one pass */
-static inline void vchunk_multi(long g, int vper, int nc, const uint8_t *codes, long rstride, long nrow,
+static inline void vchunk_multi(long g, int vper, long nc, const uint8_t *codes, long rstride, long nrow,
                                 const float *w, long wstride, float *acc, long vC) {
     if (nc == 4) {
         if (vper == 2) vchunkn(1, 2, 4, codes, rstride, nrow, w, wstride, acc, vC);

@@ -148,11 +148,10 @@ static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_acc *A, const 
                 vchunk2_512_any(ng, vper, rows + c * 8, rs, nrow, wbuf + i0 * bs, bs, accp + i0 * MAXHD + c * vC);
             }
 #endif
-        for (; c < c1; c++) {
-            const int nc = vchunks_at_once(g, vper, c1 - c);
+        for (long nc; c < c1; c += nc) {
+            nc = vchunks_at_once(g, vper, c1 - c);
             if (nc > 1) {  /* few heads: several chunks' chains at once */
                 vchunk_multi(g, vper, nc, rows + c * 8, rs, nrow, wbuf, bs, accp + c * vC, vC);
-                c += nc - 1;
                 continue;
             }
             for (long i0 = 0; i0 < g; i0 += 8 / vper) {
