@@ -103,8 +103,6 @@ static inline const void *span_row(const kv_span *sp, long off, long nkv, long h
     return (sp->ring ? (const char *)sp->ring : (const char *)sp->codes) + off * span_stride(sp, nkv, hd, rb);
 }
 
-#include "attn_kv256.h"
-
 #define SWITCH_HEADS(ng, fn, ...) switch (ng) {                                                      \
         case 8: fn(8, __VA_ARGS__); break; case 7: fn(7, __VA_ARGS__); break;                        \
         case 6: fn(6, __VA_ARGS__); break; case 5: fn(5, __VA_ARGS__); break;                        \
@@ -113,6 +111,8 @@ static inline const void *span_row(const kv_span *sp, long off, long nkv, long h
 #define SWITCH_HEADS4(ng, fn, ...) switch (ng) {                                                     \
         case 4: fn(4, __VA_ARGS__); break; case 3: fn(3, __VA_ARGS__); break;                        \
         case 2: fn(2, __VA_ARGS__); break; default: fn(1, __VA_ARGS__); break; }
+
+#include "attn_kv256.h"
 
 typedef struct {
     const float *q; float *out;

@@ -25,6 +25,115 @@ static inline __attribute__((always_inline)) void score_row(const int NG, int mo
     for (int i = 0; i < NG; i++) _mm256_store_ps(out + i * ostride, _mm256_add_ps(a[i], b[i]));
 }
 
+/* score_row over a block's nrow natural-order rows (rstride bytes apart; row r's sums at out + r * 8), MODE a
+ * compile-time constant so that no load pays for the format dispatch; with up to 3 heads two rows a pass, whose
+ * four chains a head (each row's a and b) hide the FMA latency. Each row's sums are score_row's, in its order
+ * (attn_kv512.h's score_rows512 is the wide twin). */
+static inline __attribute__((always_inline)) void score_rows256(const int NG, const int MODE, const char *rows,
+                                                                long rstride, long nrow, const float *qh, long hd,
+                                                                float *out, long ostride) {
+    long r = 0;
+    for (; NG <= 3 && r + 2 <= nrow; r += 2) {
+        const char *r0 = rows + r * rstride, *r1 = r0 + rstride;
+        __m256 a0[8], b0[8], a1[8], b1[8];  /* 3 used: two rows a pass only up to 3 heads */
+        for (int i = 0; i < NG; i++) a0[i] = b0[i] = a1[i] = b1[i] = _mm256_setzero_ps();
+        long d = 0;
+        for (; d + 16 <= hd; d += 16) {
+            const __m256 v0 = load8(MODE, r0, d), v1 = load8(MODE, r1, d);
+            const __m256 w0 = load8(MODE, r0, d + 8), w1 = load8(MODE, r1, d + 8);
+            for (int i = 0; i < NG; i++) {
+                const __m256 q = _mm256_loadu_ps(qh + i * hd + d), p = _mm256_loadu_ps(qh + i * hd + d + 8);
+                a0[i] = _mm256_fmadd_ps(q, v0, a0[i]);
+                a1[i] = _mm256_fmadd_ps(q, v1, a1[i]);
+                b0[i] = _mm256_fmadd_ps(p, w0, b0[i]);
+                b1[i] = _mm256_fmadd_ps(p, w1, b1[i]);
+            }
+        }
+        for (; d < hd; d += 8) {
+            const __m256 v0 = load8(MODE, r0, d), v1 = load8(MODE, r1, d);
+            for (int i = 0; i < NG; i++) {
+                const __m256 q = _mm256_loadu_ps(qh + i * hd + d);
+                a0[i] = _mm256_fmadd_ps(q, v0, a0[i]);
+                a1[i] = _mm256_fmadd_ps(q, v1, a1[i]);
+            }
+        }
+        for (int i = 0; i < NG; i++) {
+            _mm256_store_ps(out + i * ostride + r * 8, _mm256_add_ps(a0[i], b0[i]));
+            _mm256_store_ps(out + i * ostride + r * 8 + 8, _mm256_add_ps(a1[i], b1[i]));
+        }
+    }
+    for (; r < nrow; r++) score_row(NG, MODE, rows + r * rstride, qh, hd, hd, out + r * 8, ostride);
+}
+
+#define SCORE_ROWS256_MODE(MODE, NG, ...) score_rows256(NG, MODE, __VA_ARGS__)
+#define SCORE_ROWS256(NG, mode, ...) switch (mode) {                                                  \
+        case KV_F16: SCORE_ROWS256_MODE(KV_F16, NG, __VA_ARGS__); break;                              \
+        case KV_BF16: SCORE_ROWS256_MODE(KV_BF16, NG, __VA_ARGS__); break;                            \
+        case KV_FP8: SCORE_ROWS256_MODE(KV_FP8, NG, __VA_ARGS__); break;                              \
+        default: SCORE_ROWS256_MODE(KV_F32, NG, __VA_ARGS__); break; }
+
+/* Value rows in natural order (fp32 ring, fp16, bf16, FP8): ND * 8 dimensions from d of NG heads, in registers
+ * across nrow rows (rstride bytes apart) weighted by w (heads, wstride), added in row order to the running sums
+ * acc (heads MAXHD apart). Each lane takes the rows in order from the running sum, as a load, FMA and store a
+ * row would, so the bits are those of that loop (and of vrows512). NG * ND <= 12 accumulators. */
+static inline __attribute__((always_inline)) void vrows256(const int NG, const int ND, const int MODE,
+                                                           const char *rows, long rstride, long nrow, const float *w,
+                                                           long wstride, float *acc, long d) {
+    __m256 a[12];  /* head i, chunk k at i * ND + k */
+    #pragma GCC unroll 12
+    for (int i = 0; i < NG; i++)
+        #pragma GCC unroll 4
+        for (int k = 0; k < ND; k++) a[i * ND + k] = _mm256_load_ps(acc + i * MAXHD + d + 8 * k);
+    for (long r = 0; r < nrow; r++) {
+        __m256 wr[8];
+        #pragma GCC unroll 8
+        for (int i = 0; i < NG; i++) wr[i] = _mm256_set1_ps(w[i * wstride + r]);
+        #pragma GCC unroll 4
+        for (int k = 0; k < ND; k++) {
+            const __m256 v = load8(MODE, rows + r * rstride, d + 8 * k);
+            #pragma GCC unroll 8
+            for (int i = 0; i < NG; i++) a[i * ND + k] = _mm256_fmadd_ps(wr[i], v, a[i * ND + k]);
+        }
+    }
+    #pragma GCC unroll 12
+    for (int i = 0; i < NG; i++)
+        #pragma GCC unroll 4
+        for (int k = 0; k < ND; k++) _mm256_store_ps(acc + i * MAXHD + d + 8 * k, a[i * ND + k]);
+}
+
+#define VROWS256_1(NG, MODE, ...) vrows256(NG, 1, MODE, __VA_ARGS__)
+
+/* every dimension of up to 8 heads: as many chunks a pass as keep the accumulators in registers */
+static inline __attribute__((always_inline)) void vrows256_heads(const int MODE, long ng, const char *rows,
+                                                                 long rstride, long nrow, const float *w,
+                                                                 long wstride, float *acc, long hd) {
+    long d = 0;
+    switch (ng) {
+    case 1: for (; d + 32 <= hd; d += 32) vrows256(1, 4, MODE, rows, rstride, nrow, w, wstride, acc, d); break;
+    case 2: for (; d + 32 <= hd; d += 32) vrows256(2, 4, MODE, rows, rstride, nrow, w, wstride, acc, d); break;
+    case 3: for (; d + 24 <= hd; d += 24) vrows256(3, 3, MODE, rows, rstride, nrow, w, wstride, acc, d); break;
+    case 4: for (; d + 16 <= hd; d += 16) vrows256(4, 2, MODE, rows, rstride, nrow, w, wstride, acc, d); break;
+    default: break;
+    }
+    for (; d < hd; d += 8) { SWITCH_HEADS(ng, VROWS256_1, MODE, rows, rstride, nrow, w, wstride, acc, d) }
+}
+
+/* every head and dimension of a block's natural-order value rows; w (g, wstride) */
+static inline void vrows256_all(int mode, const char *rows, long rstride, long nrow, const float *w, long wstride,
+                                long g, float *accn, long hd) {
+    for (long i0 = 0; i0 < g; i0 += 8) {
+        const long ng = g - i0 < 8 ? g - i0 : 8;
+        const float *wi = w + i0 * wstride;
+        float *acc = accn + i0 * MAXHD;
+        switch (mode) {
+        case KV_F16: vrows256_heads(KV_F16, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
+        case KV_BF16: vrows256_heads(KV_BF16, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
+        case KV_FP8: vrows256_heads(KV_FP8, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
+        default: vrows256_heads(KV_F32, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
+        }
+    }
+}
+
 /* field t of BITS-bit codes widened to int32 lanes, as float: the lowest field needs no shift, the highest no
  * mask (attn_kv512.h's field512 on 8 lanes), so 8-bit codes cost one conversion */
 static inline __attribute__((always_inline)) __m256 field256(__m256i u, const int t, const int BITS) {

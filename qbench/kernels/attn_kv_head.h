@@ -41,12 +41,10 @@ static void SFX(scores)(const kv_call *C, kv_scratch *S, const kv_task *tk, long
                     SWITCH_HEADS(ng, SCORE_ROWS512, mode, rh, rstride, nr, qh + i0 * hd, hd, raw + i0 * bs * 8, bs * 8)
                 }
 #else
-                for (long k = 0; k < nr; k++)
-                    for (long i0 = 0; i0 < g; i0 += 8) {
-                        long ng = g - i0 < 8 ? g - i0 : 8;
-                        SWITCH_HEADS(ng, score_row, mode, rh + k * rstride, qh + i0 * hd, hd, hd,
-                                     raw + (i0 * bs + k) * 8, bs * 8)
-                    }
+                for (long i0 = 0; i0 < g; i0 += 8) {
+                    long ng = g - i0 < 8 ? g - i0 : 8;
+                    SWITCH_HEADS(ng, SCORE_ROWS256, mode, rh, rstride, nr, qh + i0 * hd, hd, raw + i0 * bs * 8, bs * 8)
+                }
 #endif
             }
         }
@@ -114,16 +112,7 @@ static void SFX(values)(const kv_call *C, kv_scratch *S, const kv_acc *A, const 
 #if WIDE
         vrows512_all(mode, rows, rstride, nrow, wbuf, bs, g, accn, hd);
 #else
-        for (long r = 0; r < nrow; r++) {
-            const void *row = rows + r * rstride;
-            for (long d = 0; d < hd; d += 8) {
-                __m256 v = load8(mode, row, d);
-                for (long i = 0; i < g; i++) {
-                    float *acc = accn + i * MAXHD + d;
-                    _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_set1_ps(wbuf[i * bs + r]), v, _mm256_load_ps(acc)));
-                }
-            }
-        }
+        vrows256_all(mode, rows, rstride, nrow, wbuf, bs, g, accn, hd);
 #endif
         return;
     }
