@@ -126,6 +126,11 @@ static inline const void *span_row(const kv_span *sp, long off, long nkv, long h
         case 4: fn(4, __VA_ARGS__); break; case 3: fn(3, __VA_ARGS__); break;                        \
         case 2: fn(2, __VA_ARGS__); break; default: fn(1, __VA_ARGS__); break; }
 
+/* fn(NG, MODE, ...) with the row format a compile-time constant */
+#define SWITCH_KV_MODE(fn, NG, mode, ...) switch (mode) {                                             \
+        case KV_F16: fn(NG, KV_F16, __VA_ARGS__); break; case KV_BF16: fn(NG, KV_BF16, __VA_ARGS__); break; \
+        case KV_FP8: fn(NG, KV_FP8, __VA_ARGS__); break; default: fn(NG, KV_F32, __VA_ARGS__); break; }
+
 #include "attn_kv256.h"
 
 typedef struct {

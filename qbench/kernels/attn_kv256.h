@@ -65,12 +65,7 @@ static inline __attribute__((always_inline)) void score_rows256(const int NG, co
     for (; r < nrow; r++) score_row(NG, MODE, rows + r * rstride, qh, hd, hd, out + r * 8, ostride);
 }
 
-#define SCORE_ROWS256_MODE(MODE, NG, ...) score_rows256(NG, MODE, __VA_ARGS__)
-#define SCORE_ROWS256(NG, mode, ...) switch (mode) {                                                  \
-        case KV_F16: SCORE_ROWS256_MODE(KV_F16, NG, __VA_ARGS__); break;                              \
-        case KV_BF16: SCORE_ROWS256_MODE(KV_BF16, NG, __VA_ARGS__); break;                            \
-        case KV_FP8: SCORE_ROWS256_MODE(KV_FP8, NG, __VA_ARGS__); break;                              \
-        default: SCORE_ROWS256_MODE(KV_F32, NG, __VA_ARGS__); break; }
+#define SCORE_ROWS256(NG, mode, ...) SWITCH_KV_MODE(score_rows256, NG, mode, __VA_ARGS__)
 
 /* Value rows in natural order (fp32 ring, fp16, bf16, FP8): ND * 8 dimensions from d of NG heads, in registers
  * across nrow rows (rstride bytes apart) weighted by w (heads, wstride), added in row order to the running sums

@@ -66,12 +66,7 @@ static inline __attribute__((always_inline)) void score_rows512(const int NG, co
     for (; r < nrow; r++) score_row512(NG, MODE, rows + r * rstride, qh, hd, hd, out + r * 8, ostride);
 }
 
-#define SCORE_ROWS_MODE(MODE, NG, ...) score_rows512(NG, MODE, __VA_ARGS__)
-#define SCORE_ROWS512(NG, mode, ...) switch (mode) {                                                  \
-        case KV_F16: SCORE_ROWS_MODE(KV_F16, NG, __VA_ARGS__); break;                                 \
-        case KV_BF16: SCORE_ROWS_MODE(KV_BF16, NG, __VA_ARGS__); break;                               \
-        case KV_FP8: SCORE_ROWS_MODE(KV_FP8, NG, __VA_ARGS__); break;                                 \
-        default: SCORE_ROWS_MODE(KV_F32, NG, __VA_ARGS__); break; }
+#define SCORE_ROWS512(NG, mode, ...) SWITCH_KV_MODE(score_rows512, NG, mode, __VA_ARGS__)
 
 /* field t of BITS-bit codes widened to int32 lanes, as float: the lowest field needs no shift, the highest
  * no mask */
