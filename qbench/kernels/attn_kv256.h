@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void vrows256(const int NG, const i
 #define VROWS256_1(NG, MODE, ...) vrows256(NG, 1, MODE, __VA_ARGS__)
 
 /* every dimension of up to 8 heads: as many chunks a pass as keep the accumulators in registers */
-static inline __attribute__((always_inline)) void vrows256_heads(const int MODE, long ng, const char *rows,
+static inline __attribute__((always_inline)) void vrows256_heads(long ng, const int MODE, const char *rows,
                                                                  long rstride, long nrow, const float *w,
                                                                  long wstride, float *acc, long hd) {
     long d = 0;
@@ -120,12 +120,7 @@ static inline void vrows256_all(int mode, const char *rows, long rstride, long n
         const long ng = g - i0 < 8 ? g - i0 : 8;
         const float *wi = w + i0 * wstride;
         float *acc = accn + i0 * MAXHD;
-        switch (mode) {
-        case KV_F16: vrows256_heads(KV_F16, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
-        case KV_BF16: vrows256_heads(KV_BF16, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
-        case KV_FP8: vrows256_heads(KV_FP8, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
-        default: vrows256_heads(KV_F32, ng, rows, rstride, nrow, wi, wstride, acc, hd); break;
-        }
+        SWITCH_KV_MODE(vrows256_heads, ng, mode, rows, rstride, nrow, wi, wstride, acc, hd)
     }
 }
 
