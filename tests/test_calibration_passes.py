@@ -75,7 +75,7 @@ def test_a_calibration_a_window_at_a_time_quantizes_to_the_same_bits(tiny_models
            [r["output_rel_error"] for r in r1.layers if "output_rel_error" in r]
 
 
-@pytest.mark.parametrize("K", [7, 512, 513, 1100])
+@pytest.mark.parametrize("K", [7, gptq.GRAM_BLOCK, gptq.GRAM_BLOCK + 1, 1100])
 def test_the_gram_matrix_from_its_lower_triangle_is_symmetric_and_equals_the_product(K):
     x = torch.randn(700, K, generator=torch.Generator().manual_seed(K), dtype=torch.float64)
     G = gptq.gram(x)

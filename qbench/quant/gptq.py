@@ -38,12 +38,17 @@ def _quant_col(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, bits: i
     return q, (q - z) * s
 
 
-GRAM_BLOCK = 512  # columns per block of X^T X's lower triangle
+GRAM_BLOCK = 192  # columns per block of X^T X's lower triangle; see ``gram``
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:
     """x^T x for x (m, K), exactly symmetric. Wider than one block, only the lower triangle's column blocks are
-    multiplied and mirrored: (1 + K / 512) / 2 of the full product's work (a 4,864-wide Qwen down_proj: 56%)."""
+    multiplied and mirrored: about (1 + 192 / K) / 2 of the full product's work (SmolLM2's 1,536-wide down_proj
+    56%, a 4,864-wide Qwen down_proj 52%). Why 192: MKL's float64 kernels tile a product's columns by a width
+    that divides 96 on the AVX2 EPYC (widths of 96, 192 and 384 gave the full product's bits; 64, 128, 256 and
+    512 other bits, and ran 1.3-1.5x slower: a ragged edge takes other kernels). 192 is also a multiple of 8, 16,
+    24, 32 and 64, other likely tile widths; MKL's AVX-512 kernels were not measured. On that EPYC, at 16,384 tokens: K = 576 170 -> 111 ms, 1,536
+    864 -> 662 ms (medians of 5)."""
     K = x.shape[1]
     if K <= GRAM_BLOCK:
         G = x.t() @ x
