@@ -84,6 +84,28 @@ def test_the_gram_matrix_from_its_lower_triangle_is_symmetric_and_equals_the_pro
     assert ((G - ref).abs().max() / ref.abs().max()).item() < 1e-14
 
 
+@pytest.mark.parametrize("K", [7, gptq.GRAM_BLOCK, gptq.GRAM_BLOCK + 1, 1100])
+def test_the_quadratic_trace_from_the_lower_triangle_equals_the_full_product(K):
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(2 * K, K, generator=g, dtype=torch.float64) * (torch.rand(K, generator=g) + 0.1)
+    H = gptq.gram(x) / x.shape[0]
+    D = torch.randn(40, K, generator=g, dtype=torch.float64)
+    full = (D @ H * D).sum()
+    assert abs((gptq.quadratic_trace(D, H) - full) / full).item() < 1e-13
+
+
+@pytest.mark.parametrize("K", [7, gptq.TRI_BLOCK, gptq.TRI_BLOCK + 1, 1700])
+def test_the_blocked_triangular_inverse_equals_one_solve_against_the_identity(K):
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(2 * K, K, generator=g, dtype=torch.float64) * (torch.rand(K, generator=g) + 0.1)
+    H = gptq.gram(x) / x.shape[0] + 0.01 * torch.eye(K, dtype=torch.float64)
+    L = torch.linalg.cholesky(H)
+    ref = torch.linalg.solve_triangular(L, torch.eye(K, dtype=torch.float64), upper=False)
+    X = gptq.lower_inverse(L)
+    assert torch.equal(torch.triu(X, 1), torch.zeros_like(X))  # the skipped zeros stay exact
+    assert ((X - ref).abs().max() / ref.abs().max()).item() < 1e-13
+
+
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, None)])
 def test_the_output_error_from_the_hessian_equals_the_one_from_the_inputs(bits, group):
     g = torch.Generator().manual_seed(bits)
@@ -151,3 +173,15 @@ def test_the_calibration_heap_reuses_freed_blocks_and_hands_them_back_after():
     assert got["outside"] > pages // 2, (runs, pages)
     assert got["inside"] < pages // 2, (runs, pages)
     assert got["kept"] > 80 and got["back"] < 16, got  # kept while calibrating, handed back after
+
+
+def test_gptq_quantizes_a_weight_stored_transposed_as_it_quantizes_a_row_major_one():
+    """A widened linear's weight can be a transposed view; the native column loop reads raw rows."""
+    g = torch.Generator().manual_seed(3)
+    K, N = 256, 24
+    x = torch.randn(512, K, generator=g, dtype=torch.float64) * (torch.rand(K, generator=g, dtype=torch.float64) + 0.1)
+    H, _ = gptq.hessian_add(None, x, 0)
+    W = torch.randn(N, K, generator=g, dtype=torch.float64) * 0.05
+    a = gptq.gptq_quantize(W, H, 4, 128, True)
+    b = gptq.gptq_quantize(W.t().contiguous().t(), H, 4, 128, True)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)

@@ -76,7 +76,7 @@ def _record(path: str, W: torch.Tensor, q: QTensor, X: torch.Tensor | None, H: t
     rec = {"module": path, "shape": list(W.shape), "weight_rel_error": ((dq - W).norm() / W.norm()).item()}
     if H is not None and q.activations != "int8":
         D = dq - W
-        rec["output_rel_error"] = ((D @ H * D).sum() / (W @ H * W).sum()).sqrt().item()
+        rec["output_rel_error"] = (gptq.quadratic_trace(D, H) / gptq.quadratic_trace(W, H)).sqrt().item()
         rec["output_error_tokens"] = tokens
     elif X is not None:  # against the fp layer: with int8 activations, their rounding counts too
         ref = X @ W.t()
