@@ -46,9 +46,9 @@ def gram(x: torch.Tensor) -> torch.Tensor:
     multiplied and mirrored: about (1 + 192 / K) / 2 of the full product's work (SmolLM2's 1,536-wide down_proj
     56%, a 4,864-wide Qwen down_proj 52%). Why 192: MKL's float64 kernels tile a product's columns by a width
     that divides 96 on the AVX2 EPYC (widths of 96, 192 and 384 gave the full product's bits; 64, 128, 256 and
-    512 other bits, and ran 1.3-1.5x slower: a ragged edge takes other kernels). 192 is also a multiple of 8, 16,
-    24, 32 and 64, other likely tile widths; MKL's AVX-512 kernels were not measured. On that EPYC, at 16,384 tokens: K = 576 170 -> 111 ms, 1,536
-    864 -> 662 ms (medians of 5)."""
+    512 other bits, and ran 1.3-1.5x slower: a ragged edge takes other kernels). 192 is also a multiple of 8,
+    16, 24, 32 and 64, other likely tile widths; MKL's AVX-512 kernels were not measured. On that EPYC, at
+    16,384 tokens: K = 576 170 -> 111 ms, 1,536 864 -> 662 ms (medians of 5)."""
     K = x.shape[1]
     if K <= GRAM_BLOCK:
         G = x.t() @ x
@@ -150,8 +150,8 @@ def _columns():
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, bits: int, group: int | None, symmetric: bool,
                   damp: float = 0.01, block: int = 128, act_order: bool = False) -> QTensor:
     N, K = W.shape
-    # own row-major copies: the native column loop reads W's blocks as (N, B) rows, and a widened linear's
-    # weight may be stored transposed
+    # own row-major copies: the native column loop reads W's blocks as (N, B) rows, and the engine stores a
+    # linear's weight transposed (strides (1, N)), which a plain clone would keep
     W = W.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
     H = H.to(torch.float64, copy=True, memory_format=torch.contiguous_format)
     dead = torch.diag(H) == 0
