@@ -62,7 +62,7 @@ def gram(x: torch.Tensor) -> torch.Tensor:
 def quadratic_trace(D: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     """tr(D H D^T) for D (N, K) and H (K, K) symmetric, from H's lower triangle: each column block b adds
     D_b H_bb D_b^T once and the blocks below it, D_a H_ab D_b^T for a > b, twice (their mirror images above the
-    diagonal are equal), so about (1 + 192 / K) / 2 of the work of the full product (D H) * D."""
+    diagonal are equal), so about (1 + GRAM_BLOCK / K) / 2 of the work of the full product (D H) * D."""
     K = H.shape[0]
     t = D.new_zeros(())
     for j in range(0, K, GRAM_BLOCK):
